@@ -1,0 +1,80 @@
+// The one file that knows Python: it releases the GIL around every call that can block and turns
+// the engine's errors into OSError subclasses that carry errno and the file name.
+#include <Python.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "io_engine.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using zerolite::EngineOptions;
+using zerolite::IoEngine;
+
+namespace {
+
+PyObject* short_read_error_type = nullptr;
+
+// OSError(errno, message, filename) when the OS gave an errno; otherwise OSError(message) with
+// .filename set, so that str() does not show a meaningless "[Errno 0]".
+void raise_os_error(PyObject* type, const zerolite::IoError& e) {
+  PyObject* error = e.error_number()
+                        ? PyObject_CallFunction(type, "iss", e.error_number(), e.what(), e.path().c_str())
+                        : PyObject_CallFunction(type, "s", e.what());
+  if (!error) return;  // the call itself raised; that exception stands
+  if (!e.error_number()) {
+    PyObject* path = PyUnicode_DecodeFSDefault(e.path().c_str());
+    PyObject_SetAttrString(error, "filename", path);
+    Py_XDECREF(path);
+  }
+  PyErr_SetObject(type, error);
+  Py_DECREF(error);
+}
+
+}  // namespace
+
+NB_MODULE(_engine, m) {
+  m.doc() = "zerolite's asynchronous O_DIRECT file reader (io_uring or a pread thread pool).";
+
+  short_read_error_type = PyErr_NewExceptionWithDoc(
+      "zerolite._engine.ShortReadError",
+      "The file ended before all the bytes asked for were read (truncated, or read past its end).",
+      PyExc_OSError, nullptr);
+  m.attr("ShortReadError") = nb::handle(short_read_error_type);
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const zerolite::ShortReadError& e) {
+      raise_os_error(short_read_error_type, e);
+    } catch (const zerolite::IoError& e) {
+      raise_os_error(PyExc_OSError, e);
+    }
+  });
+
+  nb::class_<IoEngine>(m, "Engine")
+      .def(
+          "__init__",
+          [](IoEngine* self, const std::string& backend, unsigned queue_depth,
+             std::size_t block_bytes, unsigned threads) {
+            EngineOptions options;
+            options.backend = backend;
+            options.queue_depth = queue_depth;
+            options.block_bytes = block_bytes;
+            options.threads = threads;
+            new (self) IoEngine(options);
+          },
+          "backend"_a, "queue_depth"_a, "block_bytes"_a, "threads"_a)
+      .def(
+          "submit",
+          [](IoEngine& engine, const std::string& path, std::uintptr_t dst, std::size_t nbytes,
+             std::uint64_t file_offset) {
+            return engine.submit(path, reinterpret_cast<void*>(dst), nbytes, file_offset);
+          },
+          "path"_a, "dst"_a, "nbytes"_a, "file_offset"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("wait", &IoEngine::wait, "ticket"_a, "timeout_s"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("backend", &IoEngine::backend_name)
+      .def_prop_ro("queue_depth", [](const IoEngine& e) { return e.options().queue_depth; })
+      .def_prop_ro("block_bytes", [](const IoEngine& e) { return e.options().block_bytes; });
+}

@@ -1,0 +1,141 @@
+"""Byte round trips through both engine backends against os.urandom data, and the errors it raises."""
+
+import os
+
+import pytest
+import torch
+
+from zerolite.io import ALIGNMENT, IoEngine, ShortReadError, aligned_empty
+
+BACKENDS = ["io_uring", "pread"]
+
+
+@pytest.fixture(scope="module")
+def random_file(tmp_path_factory):
+    """A 16 MiB + 4 KiB file of random bytes (not a power of two: the last block is partial)."""
+    path = tmp_path_factory.mktemp("io") / "random.bin"
+    data = os.urandom(16 * 2**20 + ALIGNMENT)
+    path.write_bytes(data)
+    return path, data
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.numpy().tobytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_is_the_one_asked_for(backend):
+    assert IoEngine(backend).backend == backend
+
+
+def test_auto_picks_a_working_backend():
+    assert IoEngine("auto").backend in BACKENDS
+
+
+def test_aligned_empty_is_aligned():
+    for nbytes in (0, 1, 4095, 4096, 12345, 2**20):
+        buffer = aligned_empty(nbytes)
+        assert buffer.nbytes == nbytes and buffer.dtype == torch.uint8
+        assert buffer.data_ptr() % ALIGNMENT == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pages", [1, 2, 3, 255, 256, 257, 4095])
+def test_aligned_reads_of_many_sizes_come_back_identical(random_file, backend, pages):
+    path, data = random_file
+    engine = IoEngine(backend, queue_depth=8, block_bytes=64 * 1024)
+    nbytes = pages * ALIGNMENT
+    for offset in (0, ALIGNMENT, len(data) - nbytes - ALIGNMENT):
+        buffer = engine.read(path, aligned_empty(nbytes), file_offset=offset)
+        assert as_bytes(buffer) == data[offset : offset + nbytes]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_reads_in_flight_split_into_many_blocks(random_file, backend):
+    path, data = random_file
+    engine = IoEngine(backend, queue_depth=16, block_bytes=ALIGNMENT)
+    spans = [(i * 37 % 4000 * ALIGNMENT, (i % 13 + 1) * 5 * ALIGNMENT) for i in range(64)]
+    buffers = [aligned_empty(length) for _, length in spans]
+    tickets = [engine.submit(path, b, offset) for b, (offset, _) in zip(buffers, spans)]
+    for ticket in reversed(tickets):  # wait order is free
+        engine.wait(ticket)
+    for buffer, (offset, length) in zip(buffers, spans):
+        assert as_bytes(buffer) == data[offset : offset + length]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_whole_file_in_one_request(random_file, backend):
+    path, data = random_file
+    engine = IoEngine(backend, queue_depth=4, block_bytes=2**20)
+    assert as_bytes(engine.read(path, aligned_empty(len(data)))) == data
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_bytes_is_a_no_op(random_file, backend):
+    engine = IoEngine(backend)
+    engine.read(random_file[0], aligned_empty(0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_misaligned_requests_are_refused(random_file, backend):
+    path, _ = random_file
+    engine = IoEngine(backend)
+    with pytest.raises(ValueError, match="file offset must be a multiple of 4096"):
+        engine.submit(path, aligned_empty(ALIGNMENT), file_offset=100)
+    with pytest.raises(ValueError, match="length must be a multiple of 4096"):
+        engine.submit(path, aligned_empty(1000))
+    with pytest.raises(ValueError, match="destination address must be a multiple of 4096"):
+        engine.submit(path, aligned_empty(2 * ALIGNMENT)[1 : ALIGNMENT + 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_past_end_of_file_names_file_and_offset(random_file, backend):
+    path, data = random_file
+    engine = IoEngine(backend, block_bytes=ALIGNMENT)
+    ticket = engine.submit(path, aligned_empty(4 * ALIGNMENT), file_offset=len(data) - ALIGNMENT)
+    with pytest.raises(ShortReadError, match=f"ends at offset {len(data)}") as caught:
+        engine.wait(ticket)
+    assert caught.value.filename == str(path)
+    with pytest.raises(ValueError, match="unknown ticket"):
+        engine.wait(ticket)  # a failed ticket is spent
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_truncated_tail_is_a_short_read(tmp_path, backend):
+    path = tmp_path / "odd.bin"
+    path.write_bytes(os.urandom(3 * ALIGNMENT + 100))  # the file ends inside the last page
+    engine = IoEngine(backend)
+    with pytest.raises(ShortReadError, match="short read"):
+        engine.read(path, aligned_empty(4 * ALIGNMENT))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_missing_file_raises_oserror_with_errno(tmp_path, backend):
+    engine = IoEngine(backend)
+    with pytest.raises(FileNotFoundError) as caught:
+        engine.submit(tmp_path / "absent.bin", aligned_empty(ALIGNMENT))
+    assert caught.value.filename == str(tmp_path / "absent.bin")
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="unknown I/O backend"):
+        IoEngine("aio")
+    with pytest.raises(ValueError, match="block_bytes"):
+        IoEngine(block_bytes=1000)
+    with pytest.raises(ValueError, match="queue_depth"):
+        IoEngine(queue_depth=0)
+
+
+def test_reads_fall_back_to_buffered_where_o_direct_is_refused():
+    """tmpfs has no O_DIRECT; the engine must still read there."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    data = os.urandom(8 * ALIGNMENT)
+    path = f"/dev/shm/zerolite-test-{os.getpid()}.bin"
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+        for backend in BACKENDS:
+            assert as_bytes(IoEngine(backend).read(path, aligned_empty(len(data)))) == data
+    finally:
+        os.unlink(path)
