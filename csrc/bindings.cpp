@@ -15,20 +15,10 @@ namespace {
 
 PyObject* short_read_error_type = nullptr;
 
-// OSError(errno, message, filename) when the OS gave an errno; otherwise OSError(message) with
-// .filename set, so that str() does not show a meaningless "[Errno 0]".
 void raise_os_error(PyObject* type, const zerolite::IoError& e) {
-  PyObject* error = e.error_number()
-                        ? PyObject_CallFunction(type, "iss", e.error_number(), e.what(), e.path().c_str())
-                        : PyObject_CallFunction(type, "s", e.what());
-  if (!error) return;  // the call itself raised; that exception stands
-  if (!e.error_number()) {
-    PyObject* path = PyUnicode_DecodeFSDefault(e.path().c_str());
-    PyObject_SetAttrString(error, "filename", path);
-    Py_XDECREF(path);
-  }
-  PyErr_SetObject(type, error);
-  Py_DECREF(error);
+  PyObject* args = Py_BuildValue("(iss)", e.error_number(), e.what(), e.path().c_str());
+  PyErr_SetObject(type, args);
+  Py_XDECREF(args);
 }
 
 }  // namespace

@@ -112,8 +112,9 @@ void IoEngine::on_chunk_done(const Chunk& chunk, const ChunkOutcome& outcome) {
     std::lock_guard<std::mutex> lock(request.error_mutex);
     if (!request.error) {
       if (outcome.end_of_file) {
+        // No errno means "the file ended"; ENODATA ("no data available") is the closest.
         request.error = std::make_exception_ptr(ShortReadError(
-            0, request.path,
+            ENODATA, request.path,
             "short read: " + request.path + " ends at offset " + std::to_string(outcome.at_offset) +
                 ", before the " + std::to_string(request.nbytes) + " bytes asked for at offset " +
                 std::to_string(request.file_offset) + " (file truncated or read past its end)"));
