@@ -1,0 +1,247 @@
+"""`zerolite convert`: a Hugging Face checkpoint into a layout the engine reads at full disk speed.
+
+The extents of all blocks are planned from the model's shapes before any weight is read, so the
+data file is allocated whole up front (a full disk fails then, not halfway) and an interrupted
+conversion can resume: each finished block is made durable, then recorded in a journal. The
+manifest is written last and atomically, so a layout without one is never taken for whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from zerolite.blocks import BlockPartition, partition, stored_tensors
+from zerolite.checkpoint import DTYPES, Checkpoint, build_meta_model, iter_block_tensors, one_line
+from zerolite.errors import ZeroliteError
+from zerolite.io import ALIGNMENT, aligned_empty
+from zerolite.manifest import DATA_FILE, MANIFEST, BlockEntry, Manifest, TensorEntry, pack
+from zerolite.progress import byte_progress
+
+JOURNAL = "convert.journal"
+LOCK = ".zerolite.lock"
+SIDE_FILE_MARGIN = 64 << 20  # config and tokenizer files, on top of the weights
+
+
+def convert(
+    model: str | os.PathLike,
+    path: str | os.PathLike,
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+    show_progress: bool = True,
+) -> Manifest:
+    """Converts MODEL into a layout at path and returns its manifest (at once if it is already there)."""
+    checkpoint = Checkpoint.open(model, allow_pickle)
+    config = checkpoint.config()
+    torch_dtype = choose_dtype(dtype, config)
+    meta_model = build_meta_model(config, torch_dtype)
+    blocks = partition(meta_model)
+    planned = plan_extents(meta_model, blocks)
+    source = {"model": str(model), "fingerprint": checkpoint.fingerprint()}
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+
+    out = prepare_folder(path)
+    with exclusive_lock(out):
+        existing = read_existing_manifest(out)
+        if existing and existing.source["fingerprint"] == source["fingerprint"] and existing.dtype == dtype_name:
+            return existing
+        (out / MANIFEST).unlink(missing_ok=True)  # from here on the layout is not whole
+
+        header = {"fingerprint": source["fingerprint"], "dtype": dtype_name, "data_bytes": data_bytes(planned)}
+        done = read_journal(out, header)
+        check_free_space(out, header["data_bytes"], done)
+        finished = write_blocks(checkpoint, meta_model, blocks, planned, torch_dtype, out, header, done, show_progress)
+
+        for side_file in checkpoint.side_files():
+            shutil.copyfile(side_file, out / side_file.name)
+        manifest = Manifest(
+            model_type=config.model_type,
+            dtype=dtype_name,
+            layers_path=blocks.layers_path,
+            blocks=tuple(finished[name] for name in planned),
+            aliases=blocks.aliases,
+            source=source,
+        )
+        write_atomically(out / MANIFEST, manifest.to_json())
+        (out / JOURNAL).unlink()
+    return manifest
+
+
+def choose_dtype(dtype: str | None, config) -> torch.dtype:
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ZeroliteError(f"unknown --dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    configured = getattr(config, "dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured, None)
+    return configured if configured in DTYPES.values() else torch.float32
+
+
+def plan_extents(meta_model, blocks: BlockPartition) -> dict[str, BlockEntry]:
+    """Every block's place in the data file, from shapes alone (checksums still zero)."""
+    tensors = stored_tensors(meta_model)
+    planned, offset = {}, 0
+    for block in blocks.blocks:
+        entries, length = pack({name: tensors[name] for name in block.tensor_names})
+        planned[block.name] = BlockEntry(block.name, offset, length, 0, tuple(entries))
+        offset += length
+    return planned
+
+
+def data_bytes(planned: dict[str, BlockEntry]) -> int:
+    last = list(planned.values())[-1]
+    return last.offset + last.length
+
+
+def prepare_folder(path: str | os.PathLike) -> Path:
+    out = Path(path).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".zerolite-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ZeroliteError(
+            f"cannot write to --path {out}: {e.strerror or one_line(e)}; choose a folder you can write to"
+        ) from e
+    return out
+
+
+@contextmanager
+def exclusive_lock(out: Path) -> Iterator[None]:
+    """One writer per layout: a second convert into the same folder is refused, never interleaved."""
+    with open(out / LOCK, "a+") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ZeroliteError(
+                f"another zerolite is converting into {out}: wait for it to finish or choose another --path"
+            ) from None
+        yield
+
+
+def read_existing_manifest(out: Path) -> Manifest | None:
+    if not (out / MANIFEST).is_file():
+        return None
+    try:
+        return Manifest.from_json((out / MANIFEST).read_text(), out / MANIFEST)
+    except ZeroliteError:
+        return None  # damaged: converted again
+
+
+def read_journal(out: Path, header: dict) -> dict[str, BlockEntry]:
+    """Blocks an interrupted conversion of the same source finished; otherwise starts afresh."""
+    journal = out / JOURNAL
+    done: dict[str, BlockEntry] = {}
+    if journal.is_file():
+        lines = journal.read_text().split("\n")
+        if lines and json_or_none(lines[0]) == header:
+            # The last line may be torn by the crash; every complete one follows a durable block.
+            for line in lines[1:]:
+                raw = json_or_none(line)
+                if raw is not None:
+                    done[raw["name"]] = BlockEntry(
+                        **{**raw, "tensors": tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"])}
+                    )
+    if not done:
+        (out / DATA_FILE).unlink(missing_ok=True)
+        write_atomically(journal, json.dumps(header) + "\n")
+    return done
+
+
+def json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def check_free_space(out: Path, needed: int, done: dict[str, BlockEntry]) -> None:
+    data = out / DATA_FILE
+    already = data.stat().st_blocks * 512 if data.exists() else 0
+    missing = max(needed - already, 0) + SIDE_FILE_MARGIN
+    free = shutil.disk_usage(out).free
+    if free < missing:
+        raise ZeroliteError(
+            f"not enough free space on {out}: the layout needs {missing / 1e9:.2f} GB more, "
+            f"{free / 1e9:.2f} GB is free; free some space or choose another --path"
+        )
+
+
+def write_blocks(checkpoint, meta_model, blocks, planned, dtype, out, header, done, show_progress) -> dict[str, BlockEntry]:
+    """Writes every block not yet done; each is durable before the journal records it."""
+    finished = dict(done)
+    fd = os.open(out / DATA_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        allocate(fd, header["data_bytes"], out)
+        pending = [name for name in planned if name not in done]
+        todo_bytes = sum(planned[name].length for name in pending)
+        with byte_progress("converting", todo_bytes, len(pending), enabled=show_progress) as progress, \
+                open(out / JOURNAL, "a") as journal:
+            for block, tensors in iter_block_tensors(checkpoint, meta_model, blocks, dtype, skip=set(done)):
+                entry = write_block(fd, planned[block.name], tensors, out)
+                journal.write(json.dumps(asdict(entry)) + "\n")
+                journal.flush()
+                os.fsync(journal.fileno())
+                finished[block.name] = entry
+                progress.advance(entry.length)
+    finally:
+        os.close(fd)
+    return finished
+
+
+def allocate(fd: int, nbytes: int, out: Path) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ZeroliteError(f"{out} ran out of space allocating {nbytes / 1e9:.2f} GB: free some space or choose another --path") from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def write_block(fd: int, planned: BlockEntry, tensors: dict[str, torch.Tensor], out: Path) -> BlockEntry:
+    buffer = aligned_empty(planned.length)
+    buffer.zero_()  # padding is part of the checksum
+    for entry in planned.tensors:
+        tensor = tensors[entry.name].contiguous()
+        if str(tensor.dtype).removeprefix("torch.") != entry.dtype or tuple(tensor.shape) != entry.shape:
+            raise ZeroliteError(f"{entry.name} came out of the checkpoint as {tensor.dtype} {tuple(tensor.shape)}, expected {entry.dtype} {entry.shape}")
+        buffer[entry.offset : entry.offset + entry.nbytes] = tensor.reshape(-1).view(torch.uint8)
+    data = buffer.numpy()
+    try:
+        written = os.pwrite(fd, data, planned.offset)
+        if written != planned.length:
+            raise OSError(errno.EIO, f"short write of block {planned.name}")
+        os.fdatasync(fd)
+    except OSError as e:
+        raise ZeroliteError(f"writing {out / DATA_FILE} failed: {one_line(e)}; free space or choose another --path, then convert again (finished blocks are kept)") from e
+    # Written once, read back later with O_DIRECT: keep it out of the page cache.
+    os.posix_fadvise(fd, planned.offset, planned.length, os.POSIX_FADV_DONTNEED)
+    return BlockEntry(planned.name, planned.offset, planned.length, zlib.crc32(data), planned.tensors)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see the old file or the whole new one, never a part: temp file, fsync, rename, fsync dir."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,9 @@
+"""The one exception type for problems a user can fix: its message says what is wrong and how to fix it.
+
+The command line prints it as a single line on stderr and exits non-zero; anything else that
+escapes is a bug and gets a traceback only with --debug.
+"""
+
+
+class ZeroliteError(Exception):
+    """Bad input or a damaged file: `str(error)` is one line naming the problem and the fix."""

@@ -1,0 +1,135 @@
+"""The layout's on-disk format: where each block's bytes are, and where each tensor is inside its block.
+
+    layout/
+      manifest.json      written last, atomically: its presence means the layout is whole
+      weights.bin        every block as one 4 KiB-aligned extent, in execution order
+      config.json ...    the model's config, generation config and tokenizer files
+
+Everything read from manifest.json is validated before use: names are plain dotted identifiers,
+the data file stays inside the layout folder, and every extent lies inside its file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from zerolite.errors import ZeroliteError
+from zerolite.io import ALIGNMENT
+
+FORMAT = "zerolite-layout"
+VERSION = 1
+MANIFEST = "manifest.json"
+DATA_FILE = "weights.bin"
+TENSOR_ALIGNMENT = 256  # inside a block: enough for any dtype and for vectorised GPU loads
+
+DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                  torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+}
+NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the block
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class BlockEntry:
+    name: str
+    offset: int   # bytes from the start of the data file, 4 KiB aligned
+    length: int   # bytes, 4 KiB aligned (zero padded)
+    crc32: int    # of all `length` bytes
+    tensors: tuple[TensorEntry, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_type: str
+    dtype: str
+    layers_path: str
+    blocks: tuple[BlockEntry, ...]
+    aliases: dict[str, str]          # tied parameter -> the stored tensor it shares
+    source: dict[str, str]           # what it was converted from: {"model", "fingerprint"}
+    data_file: str = DATA_FILE
+
+    @property
+    def data_bytes(self) -> int:
+        return self.blocks[-1].offset + self.blocks[-1].length if self.blocks else 0
+
+    def block(self, name: str) -> BlockEntry:
+        for block in self.blocks:
+            if block.name == name:
+                return block
+        raise KeyError(f"no block named {name!r}; blocks are {', '.join(b.name for b in self.blocks)}")
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "version": VERSION, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> Manifest:
+        try:
+            raw = json.loads(text)
+            if raw.pop("format", None) != FORMAT or raw.pop("version", None) != VERSION:
+                raise ValueError(f"not a {FORMAT} version {VERSION} manifest")
+            blocks = tuple(
+                BlockEntry(**{**b, "tensors": tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in b["tensors"])})
+                for b in raw.pop("blocks")
+            )
+            manifest = cls(blocks=blocks, **raw)
+            manifest.validate()
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ZeroliteError(
+                f"{where} is damaged ({' '.join(str(e).split())}): convert the model again into a fresh --path"
+            ) from e
+        return manifest
+
+    def validate(self) -> None:
+        """Refuses anything that could read outside the layout or misplace a tensor."""
+        if not NAME.fullmatch(Path(self.data_file).name) or Path(self.data_file).name != self.data_file:
+            raise ValueError(f"data file {self.data_file!r} is not a plain file name inside the layout")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        end = 0
+        for block in self.blocks:
+            if not NAME.fullmatch(block.name):
+                raise ValueError(f"bad block name {block.name!r}")
+            if block.offset % ALIGNMENT or block.length % ALIGNMENT or block.offset < end:
+                raise ValueError(f"block {block.name} has a misaligned or overlapping extent")
+            end = block.offset + block.length
+            for tensor in block.tensors:
+                if not NAME.fullmatch(tensor.name) or tensor.dtype not in DTYPES:
+                    raise ValueError(f"bad tensor entry {tensor.name!r} in block {block.name}")
+                if any(not isinstance(d, int) or d < 0 for d in tensor.shape):
+                    raise ValueError(f"bad shape for {tensor.name}")
+                if tensor.offset < 0 or tensor.offset + tensor.nbytes > block.length:
+                    raise ValueError(f"{tensor.name} lies outside block {block.name}")
+        stored = {t.name for b in self.blocks for t in b.tensors}
+        for alias, target in self.aliases.items():
+            if not NAME.fullmatch(alias) or target not in stored:
+                raise ValueError(f"alias {alias!r} points at {target!r}, which is not stored")
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
+    """Places tensors one after another, each TENSOR_ALIGNMENT aligned; returns entries and block length."""
+    entries, cursor = [], 0
+    for name, tensor in tensors.items():
+        cursor = -(-cursor // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+        entry = TensorEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), cursor)
+        entries.append(entry)
+        cursor += entry.nbytes
+    return entries, -(-cursor // ALIGNMENT) * ALIGNMENT
