@@ -33,8 +33,11 @@ class ByteProgress:
 
 @contextmanager
 def byte_progress(description: str, total_bytes: int, total_items: int, enabled: bool = True) -> Iterator[ByteProgress]:
-    """A bar showing blocks done, bytes done, speed and time left (GB/s, decimal units)."""
-    if not enabled:
+    """A bar showing blocks done, bytes done, speed and time left (GB/s, decimal units).
+
+    Only on a terminal: piped into a log, stderr carries just the messages that matter.
+    """
+    if not (enabled and stderr.is_terminal):
         yield ByteProgress(None, None)
         return
     columns = (

@@ -1,0 +1,166 @@
+"""A converted layout, read back block by block, is bit-identical to its checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+import zerolite.convert as convert_module
+from tiny_models import save_tiny_model
+from zerolite.convert import JOURNAL, convert
+from zerolite.errors import ZeroliteError
+from zerolite.io import ALIGNMENT, IoEngine
+from zerolite.layout import Layout
+from zerolite.manifest import MANIFEST
+
+ARCHS = ["llama", "bloom", "opt", "gpt2"]
+
+
+def safetensors_tensors(folder) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            tensors.update((k, f.get_tensor(k)) for k in f.keys())
+    return tensors
+
+
+def read_all(layout: Layout) -> dict[str, torch.Tensor]:
+    engine = IoEngine()
+    tensors = {}
+    for block in layout.blocks:
+        tensors.update(layout.read_block(block.name, engine, verify=True))
+    return tensors
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tie", [True, False])
+def test_layout_is_bit_identical_to_safetensors_source(tmp_path, arch, tie):
+    source = save_tiny_model(arch, tmp_path / "src", tie=tie)
+    manifest = convert(source, tmp_path / "layout", show_progress=False)
+    layout = Layout.open(tmp_path / "layout")
+    stored = read_all(layout)
+    expected = safetensors_tensors(source)
+
+    assert set(stored) == set(expected)  # tied weights: stored once, as in the checkpoint
+    for name, tensor in expected.items():
+        assert stored[name].dtype == tensor.dtype and stored[name].shape == tensor.shape
+        assert torch.equal(stored[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    if tie:
+        assert len(manifest.aliases) == 1
+        (alias, target), = manifest.aliases.items()
+        assert alias.endswith("lm_head.weight") and target in stored
+    else:
+        assert manifest.aliases == {}
+    # Blocks: embed, one per layer, head; each extent 4 KiB aligned and in execution order.
+    names = [b.name for b in manifest.blocks]
+    assert names == ["embed", "layers.0", "layers.1", "layers.2", "head"]
+    assert all(b.offset % ALIGNMENT == 0 and b.length % ALIGNMENT == 0 for b in manifest.blocks)
+    assert (tmp_path / "layout" / "config.json").is_file()
+    assert not (tmp_path / "layout" / JOURNAL).exists()
+
+
+def test_names_come_out_as_the_module_names_for_a_legacy_checkpoint(tmp_path):
+    """BLOOM's original checkpoints lack the `transformer.` prefix; transformers maps them on load,
+    and the layout must hold what the module has, not what the file says."""
+    source = save_tiny_model("bloom", tmp_path / "src")
+    legacy = {k.removeprefix("transformer."): v for k, v in safetensors_tensors(source).items()}
+    (source / "model.safetensors").unlink()
+    save_file(legacy, source / "model.safetensors", metadata={"format": "pt"})
+
+    convert(source, tmp_path / "layout", show_progress=False)
+    stored = read_all(Layout.open(tmp_path / "layout"))
+    reference = AutoModelForCausalLM.from_pretrained(source).state_dict()
+    assert set(stored) == {"transformer." + k for k in legacy}
+    for name, tensor in stored.items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_dtype_conversion_matches_a_plain_cast(tmp_path, dtype, torch_dtype):
+    source = save_tiny_model("llama", tmp_path / "src")
+    convert(source, tmp_path / "layout", dtype=dtype, show_progress=False)
+    stored = read_all(Layout.open(tmp_path / "layout"))
+    for name, tensor in safetensors_tensors(source).items():
+        assert torch.equal(stored[name], tensor.to(torch_dtype)), name
+
+
+def test_sharded_checkpoint(tmp_path):
+    from tiny_models import build_tiny_model
+
+    build_tiny_model("llama").save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    assert (tmp_path / "src" / "model.safetensors.index.json").is_file()
+    convert(tmp_path / "src", tmp_path / "layout", show_progress=False)
+    stored = read_all(Layout.open(tmp_path / "layout"))
+    for name, tensor in safetensors_tensors(tmp_path / "src").items():
+        assert torch.equal(stored[name], tensor), name
+
+
+def test_pickled_weights_only_with_allow_pickle(tmp_path):
+    from tiny_models import build_tiny_model
+
+    model = build_tiny_model("gpt2")
+    (tmp_path / "src").mkdir()
+    model.config.save_pretrained(tmp_path / "src")
+    torch.save(model.state_dict(), tmp_path / "src" / "pytorch_model.bin")
+    with pytest.raises(ZeroliteError, match="--allow-pickle"):
+        convert(tmp_path / "src", tmp_path / "layout", show_progress=False)
+    convert(tmp_path / "src", tmp_path / "layout", allow_pickle=True, show_progress=False)
+    stored = read_all(Layout.open(tmp_path / "layout"))
+    for name, tensor in stored.items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+
+
+def test_interrupted_conversion_resumes_without_rewriting_finished_blocks(tmp_path, monkeypatch):
+    source = save_tiny_model("llama", tmp_path / "src")
+    real_write_block = convert_module.write_block
+    written = []
+
+    def write_then_crash(fd, planned, tensors, out):
+        if len(written) == 2:
+            raise KeyboardInterrupt  # the process dies after two durable blocks
+        written.append(planned.name)
+        return real_write_block(fd, planned, tensors, out)
+
+    monkeypatch.setattr(convert_module, "write_block", write_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        convert(source, tmp_path / "layout", show_progress=False)
+    assert not (tmp_path / "layout" / MANIFEST).exists()
+    with pytest.raises(ZeroliteError, match="did not finish"):
+        Layout.open(tmp_path / "layout")
+
+    monkeypatch.setattr(convert_module, "write_block", lambda *a: written.append(a[1].name) or real_write_block(*a))
+    convert(source, tmp_path / "layout", show_progress=False)
+    assert written == ["embed", "layers.0", "layers.1", "layers.2", "head"]  # nothing written twice
+    stored = read_all(Layout.open(tmp_path / "layout"))
+    for name, tensor in safetensors_tensors(source).items():
+        assert torch.equal(stored[name], tensor), name
+
+
+def test_converting_again_reuses_a_finished_layout_and_redoes_a_changed_one(tmp_path):
+    source = save_tiny_model("gpt2", tmp_path / "src")
+    first = convert(source, tmp_path / "layout", show_progress=False)
+    before = (tmp_path / "layout" / "weights.bin").stat().st_mtime_ns
+    assert convert(source, tmp_path / "layout", show_progress=False) == first
+    assert (tmp_path / "layout" / "weights.bin").stat().st_mtime_ns == before
+
+    save_tiny_model("gpt2", tmp_path / "src", seed=1)  # new weights, same name
+    second = convert(source, tmp_path / "layout", show_progress=False)
+    assert second.source["fingerprint"] != first.source["fingerprint"]
+    stored = read_all(Layout.open(tmp_path / "layout"))
+    for name, tensor in safetensors_tensors(source).items():
+        assert torch.equal(stored[name], tensor), name
+
+
+def test_manifest_lists_every_tensor_with_dtype_shape_and_offset(tmp_path):
+    source = save_tiny_model("opt", tmp_path / "src")
+    convert(source, tmp_path / "layout", show_progress=False)
+    raw = json.loads((tmp_path / "layout" / MANIFEST).read_text())
+    assert raw["format"] == "zerolite-layout" and raw["model_type"] == "opt"
+    block = raw["blocks"][1]
+    assert {"name", "offset", "length", "crc32", "tensors"} <= set(block)
+    assert {"name", "dtype", "shape", "offset"} <= set(block["tensors"][0])
