@@ -9,6 +9,8 @@ import sys
 from collections import namedtuple
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tiny_models import save_tiny_model
 from zerolite import cli
@@ -77,13 +79,13 @@ def test_truncated_safetensors(capsys, monkeypatch, tmp_path, source):
 
 
 def test_not_a_causal_lm(capsys, monkeypatch, tmp_path):
-    from transformers import BertConfig
+    from transformers import T5Config
 
-    folder = tmp_path / "bert"
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(folder)
-    (folder / "model.safetensors").write_bytes(b"")
+    folder = tmp_path / "t5"
+    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2).save_pretrained(folder)
+    save_file({"x": torch.zeros(1)}, folder / "model.safetensors")
     result = run(capsys, monkeypatch, "convert", folder, "--path", tmp_path / "out")
-    assert_one_line_error(result)
+    assert_one_line_error(result, "'t5' is not a causal language model")
 
 
 def test_path_under_a_regular_file_is_unwritable(capsys, monkeypatch, tmp_path, source):
