@@ -103,15 +103,29 @@ class Checkpoint:
         return state
 
 
+def quiet_transformers() -> None:
+    """transformers' and the hub's own bars and warnings would bury zerolite's progress on stderr."""
+    from huggingface_hub.utils import disable_progress_bars
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    disable_progress_bars()
+
+
 def one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
 def resolve_model_folder(model: str | os.PathLike) -> Path:
-    """A local folder as given, or a hub id (org/name) looked up in the local Hugging Face cache."""
+    """A local folder as given, a GGUF file (dequantized once into the cache), or a hub id (org/name)
+    looked up in the local Hugging Face cache."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        from zerolite.gguf_source import gguf_as_folder
+
+        return gguf_as_folder(path)
     if path.exists():
         raise ZeroliteError(f"{path} is a file, not a model folder: point MODEL at the folder holding config.json")
     if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/", "~")):
@@ -185,7 +199,7 @@ def iter_block_tensors(
     The model is used as a scratch target: a block's parameters are loaded into it, taken out,
     and put back on the meta device before the next block, so memory holds one block at a time.
     """
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
     state = checkpoint.lazy_state_dict()
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]

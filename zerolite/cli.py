@@ -6,6 +6,7 @@ traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -35,14 +36,19 @@ def _options(
 
 @app.command()
 def convert(
-    model: Annotated[str, typer.Argument(help="Local Hugging Face model folder, or a hub id in the local cache.")],
     path: Annotated[Path, typer.Option("--path", help="Folder to write the layout into.")],
+    model: Annotated[
+        str | None,
+        typer.Argument(help="Model folder, .gguf file, or hub id in the local cache (default: the built-in SmolLM2-135M-Instruct)."),
+    ] = None,
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the config's dtype).")] = None,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights (weights_only=True).")] = False,
 ) -> None:
     """Convert a checkpoint into an aligned layout that zerolite streams at full disk speed."""
     from zerolite.convert import convert as run_convert
+    from zerolite.gguf_source import builtin_gguf
 
+    model = model or str(builtin_gguf())
     manifest = run_convert(model, path, dtype=dtype, allow_pickle=allow_pickle)
     print(f"{path}: {len(manifest.blocks)} blocks, {manifest.data_bytes / 1e9:.3f} GB of {manifest.dtype}")
 
@@ -78,6 +84,9 @@ def inspect(
 
 
 def main() -> None:
+    # transformers draws raw tqdm bars (GGUF dequantization) that no logging switch silences; tqdm
+    # reads this when it is first imported, which the lazy imports in the commands come after.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     argv = sys.argv[1:]
     debug = "--debug" in argv
     try:
