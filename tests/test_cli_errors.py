@@ -113,9 +113,9 @@ def test_unknown_dtype(capsys, monkeypatch, tmp_path, source):
     assert_one_line_error(result, "unknown --dtype", "bf16")
 
 
-def test_missing_argument_is_a_usage_error(capsys, monkeypatch):
+def test_missing_option_is_a_usage_error(capsys, monkeypatch):
     result = run(capsys, monkeypatch, "convert")
-    assert_one_line_error(result, "Missing argument")
+    assert_one_line_error(result, "Missing option '--path'")
     assert result.code == 2
 
 
