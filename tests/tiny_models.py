@@ -42,7 +42,7 @@ def build_tiny_model(arch: str, seed: int = 0, **config_kwargs) -> torch.nn.Modu
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_kwargs), dtype=torch.float32)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 * 4)
     return model.eval()

@@ -37,7 +37,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,6 @@ class Checkpoint:
             stat = path.stat()
             digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
         return digest.hexdigest()
-
-    def total_bytes(self) -> int:
-        return sum(path.stat().st_size for path in self.weight_files)
 
     def side_files(self) -> list[Path]:
         """Config, generation config, tokenizer and chat template: everything but the weights."""

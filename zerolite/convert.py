@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from zerolite.blocks import BlockPartition, partition, stored_tensors
-from zerolite.checkpoint import DTYPES, Checkpoint, build_meta_model, iter_block_tensors, one_line
+from zerolite.checkpoint import DTYPE_CHOICES, Checkpoint, build_meta_model, iter_block_tensors, one_line
 from zerolite.errors import ZeroliteError
-from zerolite.io import ALIGNMENT, aligned_empty
+from zerolite.io import aligned_empty
 from zerolite.manifest import DATA_FILE, MANIFEST, BlockEntry, Manifest, TensorEntry, pack
 from zerolite.progress import byte_progress
 
@@ -59,7 +59,7 @@ def convert(
 
         header = {"fingerprint": source["fingerprint"], "dtype": dtype_name, "data_bytes": data_bytes(planned)}
         done = read_journal(out, header)
-        check_free_space(out, header["data_bytes"], done)
+        check_free_space(out, header["data_bytes"])
         finished = write_blocks(checkpoint, meta_model, blocks, planned, torch_dtype, out, header, done, show_progress)
 
         for side_file in checkpoint.side_files():
@@ -79,13 +79,13 @@ def convert(
 
 def choose_dtype(dtype: str | None, config) -> torch.dtype:
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise ZeroliteError(f"unknown --dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-        return DTYPES[dtype]
+        if dtype not in DTYPE_CHOICES:
+            raise ZeroliteError(f"unknown --dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+        return DTYPE_CHOICES[dtype]
     configured = getattr(config, "dtype", None)
     if isinstance(configured, str):
         configured = getattr(torch, configured, None)
-    return configured if configured in DTYPES.values() else torch.float32
+    return configured if configured in DTYPE_CHOICES.values() else torch.float32
 
 
 def plan_extents(meta_model, blocks: BlockPartition) -> dict[str, BlockEntry]:
@@ -167,7 +167,7 @@ def json_or_none(line: str):
         return None
 
 
-def check_free_space(out: Path, needed: int, done: dict[str, BlockEntry]) -> None:
+def check_free_space(out: Path, needed: int) -> None:
     data = out / DATA_FILE
     already = data.stat().st_blocks * 512 if data.exists() else 0
     missing = max(needed - already, 0) + SIDE_FILE_MARGIN
