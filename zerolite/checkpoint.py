@@ -37,6 +37,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
+FINGERPRINT_SAMPLE = 1 << 20
+
 DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -71,11 +73,16 @@ class Checkpoint:
             raise ZeroliteError(f"cannot read the model config in {self.folder}: {one_line(e)}") from e
 
     def fingerprint(self) -> str:
-        """Changes whenever a weight file does: names, sizes and modification times."""
+        """Changes whenever a weight file does. File times tick only every few milliseconds, so a
+        sample of each file's bytes (its head, holding the tensor index, and its tail) goes in too."""
         digest = hashlib.sha256()
         for path in self.weight_files:
             stat = path.stat()
-            digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}\n".encode())
+            with open(path, "rb") as f:
+                digest.update(f.read(FINGERPRINT_SAMPLE))
+                f.seek(max(stat.st_size - FINGERPRINT_SAMPLE, 0))
+                digest.update(f.read(FINGERPRINT_SAMPLE))
         return digest.hexdigest()
 
     def side_files(self) -> list[Path]:
