@@ -144,7 +144,7 @@ def read_journal(out: Path, header: dict) -> dict[str, BlockEntry]:
     """Blocks an interrupted conversion of the same source finished; otherwise starts afresh."""
     journal = out / JOURNAL
     done: dict[str, BlockEntry] = {}
-    if journal.is_file():
+    if journal.is_file() and (out / DATA_FILE).is_file():  # without the data, the journal vouches for nothing
         lines = journal.read_text().split("\n")
         if lines and json_or_none(lines[0]) == header:
             # The last line may be torn by the crash; every complete one follows a durable block.
