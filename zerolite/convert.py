@@ -25,7 +25,7 @@ from zerolite.blocks import BlockPartition, partition, stored_tensors
 from zerolite.checkpoint import DTYPE_CHOICES, Checkpoint, build_meta_model, iter_block_tensors, one_line
 from zerolite.errors import ZeroliteError
 from zerolite.io import aligned_empty
-from zerolite.manifest import DATA_FILE, MANIFEST, BlockEntry, Manifest, TensorEntry, pack
+from zerolite.manifest import DATA_FILE, MANIFEST, BlockEntry, Manifest, pack
 from zerolite.progress import byte_progress
 
 JOURNAL = "convert.journal"
@@ -151,9 +151,7 @@ def read_journal(out: Path, header: dict) -> dict[str, BlockEntry]:
             for line in lines[1:]:
                 raw = json_or_none(line)
                 if raw is not None:
-                    done[raw["name"]] = BlockEntry(
-                        **{**raw, "tensors": tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"])}
-                    )
+                    done[raw["name"]] = BlockEntry.from_dict(raw)
     if not done:
         (out / DATA_FILE).unlink(missing_ok=True)
         write_atomically(journal, json.dumps(header) + "\n")

@@ -56,6 +56,12 @@ class BlockEntry:
     crc32: int    # of all `length` bytes
     tensors: tuple[TensorEntry, ...]
 
+    @classmethod
+    def from_dict(cls, raw: dict) -> BlockEntry:
+        """From its JSON form (the manifest's and the convert journal's): lists become tuples."""
+        tensors = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"])
+        return cls(**{**raw, "tensors": tensors})
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -86,10 +92,7 @@ class Manifest:
             raw = json.loads(text)
             if raw.pop("format", None) != FORMAT or raw.pop("version", None) != VERSION:
                 raise ValueError(f"not a {FORMAT} version {VERSION} manifest")
-            blocks = tuple(
-                BlockEntry(**{**b, "tensors": tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in b["tensors"])})
-                for b in raw.pop("blocks")
-            )
+            blocks = tuple(BlockEntry.from_dict(b) for b in raw.pop("blocks"))
             manifest = cls(blocks=blocks, **raw)
             manifest.validate()
         except (ValueError, TypeError, KeyError, AttributeError) as e:
