@@ -37,14 +37,17 @@ def tiny_config(arch: str, layers: int = 3, tie: bool = True) -> PretrainedConfi
 
 
 def build_tiny_model(arch: str, seed: int = 0, **config_kwargs) -> torch.nn.Module:
-    """A model with weights scaled up from transformers' tiny default init, so that outputs vary
-    from token to token instead of repeating one (which would hide bugs)."""
+    """A model with weights scaled up from transformers' tiny default init, and norms and biases
+    perturbed, so that outputs vary from token to token instead of repeating one (which would
+    hide bugs) on every architecture here, BLOOM included."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_kwargs), dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
-                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 * 4)
+                param.normal_(0.0, 4.0 / param.shape[-1] ** 0.5)
+            else:
+                param.add_(torch.randn_like(param), alpha=0.2)
     return model.eval()
 
 

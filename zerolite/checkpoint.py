@@ -179,10 +179,17 @@ def check_safetensors_file(path: Path) -> None:
         ) from e
 
 
-def build_meta_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    """The model's module tree with every tensor on the meta device: shapes and names, no memory."""
+def build_meta_model(config: PretrainedConfig, dtype: torch.dtype, real_buffers: bool = False) -> nn.Module:
+    """The model's module tree with every parameter on the meta device: shapes and names, no memory.
+
+    With real_buffers, buffers are real tensors on the CPU: the ones computed in __init__ rather
+    than stored (rotary inv_freq and the like) are then ready to run with.
+    """
+    from accelerate import init_empty_weights
+
+    empty = init_empty_weights(include_buffers=False) if real_buffers else torch.device("meta")
     try:
-        with torch.device("meta"):
+        with empty:
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as e:
         raise ZeroliteError(

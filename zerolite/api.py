@@ -1,0 +1,135 @@
+"""The Python API: load a model for streamed inference, then generate as with transformers.
+
+    lm = zerolite.load("/nvme/bloom", offload="nvme")
+    batch = lm.tokenizer(prompts, return_tensors="pt", padding=True)
+    out = lm.generate(**batch, max_new_tokens=100)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from zerolite.checkpoint import quiet_transformers
+from zerolite.convert import choose_dtype
+from zerolite.errors import ZeroliteError
+from zerolite.executor import Executor
+from zerolite.layout import Layout
+from zerolite.manifest import DTYPES, MANIFEST
+from zerolite.policy import Policy, default_layout_path
+from zerolite.progress import byte_progress
+
+
+class OffloadedLM:
+    """A transformers causal LM whose blocks stream from disk or host memory as it runs.
+
+    .model is transformers' own model object, .tokenizer its tokenizer (None when the layout has
+    none), .generate takes everything transformers' generate does.
+    """
+
+    def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float):
+        self.executor = executor
+        self.model = executor.model
+        self.tokenizer = tokenizer
+        self.load_s = load_s
+        self.convert_s = convert_s
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.device
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
+    @property
+    def bytes_read(self) -> int:
+        return self.executor.bytes_read
+
+    def generate(self, *args, **kwargs):
+        """transformers' generate, with tensor arguments moved to the model's device."""
+        args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        try:
+            return self.model.generate(*args, **kwargs)
+        except BaseException:
+            self.executor.recover()
+            raise
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> OffloadedLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    offload: str = "nvme",
+    path: str | os.PathLike | None = None,
+    device: str = "auto",
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+    show_progress: bool = True,
+    **policy,
+) -> OffloadedLM:
+    """Loads model for streamed inference.
+
+    model: a zerolite layout folder, or a checkpoint (model folder, .gguf file, hub id in the local
+    cache), converted first into path (default: zerolite's cache) and reused on later loads.
+    None means the built-in SmolLM2-135M-Instruct. The remaining keywords are Policy fields
+    (prefetch_depth, io_backend, ...).
+    """
+    quiet_transformers()
+    policy = Policy(offload=offload, device=device, **policy)
+    started = time.perf_counter()
+    layout_folder = ensure_layout(model, path, dtype, allow_pickle, show_progress)
+    convert_s = time.perf_counter() - started
+
+    started = time.perf_counter()
+    layout = Layout.open(layout_folder)
+    if dtype is not None and DTYPES[layout.manifest.dtype] != choose_dtype(dtype, None):
+        raise ZeroliteError(
+            f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
+            f"convert into another --path with --dtype {dtype}"
+        )
+    preload = layout.manifest.data_bytes if offload != "nvme" else sum(
+        b.length for b in layout.blocks if not b.name.startswith("layers.")
+    )
+    with byte_progress("loading", preload, len(layout.blocks), enabled=show_progress) as progress:
+        executor = Executor(layout, policy, progress)
+    tokenizer = load_tokenizer(layout_folder)
+    return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s)
+
+
+def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool) -> Path:
+    """The layout folder to run from: model itself if it is one, else model converted (once)."""
+    if model is not None and (Path(model).expanduser() / MANIFEST).is_file():
+        return Path(model).expanduser()
+    from zerolite.convert import convert
+    from zerolite.gguf_source import builtin_gguf
+
+    source = str(model) if model is not None else str(builtin_gguf())
+    folder = Path(path).expanduser() if path is not None else default_layout_path(source, dtype)
+    convert(source, folder, dtype=dtype, allow_pickle=allow_pickle, show_progress=show_progress)
+    return folder
+
+
+def load_tokenizer(folder: Path):
+    """The layout's tokenizer, padding on the left as decoder-only generation needs; None if it has none."""
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ZeroliteError(f"cannot read the tokenizer in {folder} ({' '.join(str(e).split())[:160]})") from e
+    tokenizer.padding_side = "left"
+    return tokenizer

@@ -1,0 +1,126 @@
+"""The one loop that runs a transformers model whose weights stream through a ring of slots.
+
+The model is transformers' own, built from the layout's config with its parameters on the meta
+device. Resident blocks are bound once. Each streamed block (a decoder layer) gets a forward
+pre-hook that brings its bytes in and binds them, and a forward hook that unbinds them and frees
+its slot; the model's forward code runs unchanged, so any architecture transformers has works.
+
+While block i computes, the blocks the schedule expects next are already being read (and on
+CUDA copied), up to prefetch_depth - 1 ahead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, GenerationConfig
+
+from zerolite.binding import BlockBinding
+from zerolite.checkpoint import build_meta_model
+from zerolite.io import IoEngine
+from zerolite.layout import Layout
+from zerolite.manifest import DTYPES
+from zerolite.plan import Plan
+from zerolite.policy import Policy
+from zerolite.schedule import Schedule
+from zerolite.slots import Slots
+from zerolite.store import LayoutStore, MemoryStore
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+class Executor:
+    def __init__(self, layout: Layout, policy: Policy, progress=None):
+        """Builds the model and makes it ready to run: resident blocks read and bound, hooks set.
+
+        progress (a ByteProgress) is advanced by the bytes read while loading.
+        """
+        manifest = layout.manifest
+        self.layout = layout
+        self.policy = policy
+        self.device = policy.torch_device
+        self.plan = Plan.make(manifest, policy)
+        self.model = build_model(layout, self.device)
+        self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_block_bytes)
+        self._bindings = {block.name: BlockBinding(self.model, block, manifest.aliases) for block in manifest.blocks}
+
+        resident = MemoryStore.load(layout, self.engine, list(self.plan.resident), pin=False, progress=progress)
+        for name in self.plan.resident:
+            self._bindings[name].bind(resident.bytes_of(name).to(self.device))
+
+        on_cuda = self.device.type == "cuda"
+        if self.plan.home == "nvme":
+            self.store: LayoutStore | MemoryStore = LayoutStore(layout, self.engine)
+        else:
+            self.store = MemoryStore.load(layout, self.engine, list(self.plan.streamed), pin=on_cuda, progress=progress)
+        slot_bytes = max((manifest.block(name).length for name in self.plan.streamed), default=0)
+        self.slots = Slots(self.store, policy.prefetch_depth, self.device, slot_bytes)
+        self.schedule = Schedule(list(self.plan.streamed))
+        self._running: list[str] = []
+        self._hooks = []
+        for name in self.plan.streamed:
+            module = self.model.get_submodule(f"{manifest.layers_path}.{name.removeprefix('layers.')}")
+            self._hooks.append(module.register_forward_pre_hook(self._hook_before(name)))
+            self._hooks.append(module.register_forward_hook(self._hook_after(name)))
+        self._hooks.append(self.model.register_forward_hook(lambda *_: self.schedule.end_forward()))
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes streamed from disk since the executor was made (loading excluded)."""
+        return self.store.bytes_read if isinstance(self.store, LayoutStore) else 0
+
+    def _hook_before(self, name: str):
+        def before(module: nn.Module, args) -> None:
+            self.before_block(name)
+
+        return before
+
+    def _hook_after(self, name: str):
+        def after(module: nn.Module, args, output) -> None:
+            self.after_block(name)
+
+        return after
+
+    def before_block(self, name: str) -> None:
+        """1. ask for this block and the ones the schedule expects next: their reads start now
+        2. queue copies for reads already finished (CUDA), so they overlap this block's compute
+        3. wait for this block's bytes and bind them into its modules
+        """
+        self.schedule.ran(name)
+        self.slots.want([name] + self.schedule.ahead(name, self.policy.prefetch_depth - 1))
+        self.slots.advance()
+        self._bindings[name].bind(self.slots.wait(name))
+        self._running.append(name)
+
+    def after_block(self, name: str) -> None:
+        self._bindings[name].unbind()
+        self.slots.release(name)
+        self._running.remove(name)
+
+    def recover(self) -> None:
+        """After a forward that raised half-way: unbind what was running and free its slots."""
+        for name in list(self._running):
+            self.after_block(name)
+        self.schedule.end_forward()
+
+    def close(self) -> None:
+        """Waits for reads still in flight (prefetches for a forward that never came) and unhooks."""
+        self.slots.drain()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def build_model(layout: Layout, device: torch.device) -> nn.Module:
+    """transformers' model for the layout's config: parameters on meta, buffers real on device."""
+    config = AutoConfig.from_pretrained(layout.folder)
+    model = build_meta_model(config, DTYPES[layout.manifest.dtype], real_buffers=True)
+    model.eval()
+    model.requires_grad_(False)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device.type != "meta":
+                module._buffers[name] = buffer.to(device)
+    if (layout.folder / GENERATION_CONFIG).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(layout.folder)
+    return model

@@ -1,0 +1,152 @@
+"""The ring of buffers streamed blocks pass through on their way to compute.
+
+    slots = Slots(store, depth=2, device=torch.device("cuda"))
+    slots.want(["layers.3", "layers.4"]) # reads (and copies) begin; returns at once
+    data = slots.wait("layers.3")        # the block's bytes where compute can use them
+    ...                                  # run the block
+    slots.release("layers.3")            # its slot may be refilled once compute is done with it
+
+A slot holds one block. Its bytes come from the store: a disk home is read by the engine into
+the slot's host buffer (pinned on CUDA); a memory home already has them in host memory. On CUDA
+they are then copied into the slot's device buffer on a separate stream, ordered by events:
+compute waits for the copy, the next copy into the slot waits for compute. On a CPU device the
+host bytes are what compute uses: no copy at all.
+
+Slots never decide which block comes next; the executor does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerolite.io import aligned_empty
+from zerolite.store import LayoutStore, MemoryStore
+
+
+@dataclass(eq=False)
+class Slot:
+    host: torch.Tensor | None            # the read target, for a disk home
+    device: torch.Tensor | None          # the copy target, on CUDA
+    block: str | None = None
+    source: torch.Tensor | None = None   # where the block's bytes are in host memory
+    ticket: int | None = None            # engine read into host, not yet waited for
+    copied: torch.cuda.Event | None = None    # set once the host-to-device copy is issued
+    computed: torch.cuda.Event | None = None  # compute's last use of the device buffer
+    in_use: bool = False
+    started: int = 0                     # for picking the longest-idle slot to refill
+
+
+class Slots:
+    def __init__(self, store: LayoutStore | MemoryStore, depth: int, device: torch.device, slot_bytes: int):
+        self.store = store
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        reads = isinstance(store, LayoutStore)
+        self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self._slots = [
+            Slot(
+                host=aligned_empty(slot_bytes, pin=self.on_cuda) if reads else None,
+                device=torch.empty(slot_bytes, dtype=torch.uint8, device=device) if self.on_cuda else None,
+            )
+            for _ in range(depth)
+        ]
+        self._by_block: dict[str, Slot] = {}
+        self._starts = 0
+
+    def holds(self, name: str) -> bool:
+        return name in self._by_block
+
+    def want(self, names: list[str]) -> None:
+        """Makes sure these blocks are here or on their way, refilling slots that hold none of them
+        (empty ones first, then the longest idle).
+
+        1. pick a slot no block is running from; let its previous read, copy and compute finish
+        2. a disk home: submit the read into the slot's host buffer
+        3. on CUDA: queue the copy to the device buffer now if the bytes are there, else later
+        """
+        for name in names:
+            if name in self._by_block:
+                continue
+            free = [slot for slot in self._slots if not slot.in_use and slot.block not in names]
+            if not free:
+                raise RuntimeError(f"no free slot to bring in {name}: more blocks wanted than the ring holds")
+            slot = min(free, key=lambda s: (s.block is not None, s.started))
+            self._empty(slot)
+            self._starts += 1
+            slot.block, slot.started = name, self._starts
+            self._by_block[name] = slot
+            if isinstance(self.store, LayoutStore):
+                slot.ticket = self.store.submit(name, slot.host)
+                slot.source = slot.host
+            else:
+                slot.source = self.store.bytes_of(name)
+            if self.on_cuda and slot.ticket is None:
+                self._copy(slot)
+
+    def advance(self) -> None:
+        """Queues the copies of reads that have finished, so they overlap compute; never blocks."""
+        if not self.on_cuda:
+            return
+        for slot in self._slots:
+            if slot.ticket is not None and self.store.done(slot.ticket):
+                slot.ticket = None
+                self._copy(slot)
+
+    def wait(self, name: str) -> torch.Tensor:
+        """The block's bytes, ready for compute on the current stream (want(name) came first).
+
+        1. wait for its read, if any is still in flight
+        2. on CUDA: queue the copy if it is not queued yet; make compute wait for it
+        """
+        slot = self._by_block[name]
+        if slot.ticket is not None:
+            self.store.wait(slot.ticket)
+            slot.ticket = None
+        slot.in_use = True
+        if not self.on_cuda:
+            return slot.source[: self.store.entry(name).length]
+        if slot.copied is None:
+            self._copy(slot)
+        torch.cuda.current_stream(self.device).wait_event(slot.copied)
+        return slot.device[: self.store.entry(name).length]
+
+    def release_all(self) -> None:
+        """After a forward that failed half-way: no block is running any more."""
+        for slot in self._slots:
+            if slot.in_use:
+                self.release(slot.block)
+
+    def release(self, name: str) -> None:
+        """Compute is done with the block (on CUDA: once the work queued so far has run)."""
+        slot = self._by_block[name]
+        slot.in_use = False
+        if self.on_cuda:
+            slot.computed = torch.cuda.Event()
+            slot.computed.record(torch.cuda.current_stream(self.device))
+
+    def drain(self) -> None:
+        """Waits for every read in flight: no read may outlive the buffers it fills."""
+        for slot in self._slots:
+            if slot.ticket is not None:
+                self.store.wait(slot.ticket)
+                slot.ticket = None
+
+    def _empty(self, slot: Slot) -> None:
+        if slot.ticket is not None:
+            self.store.wait(slot.ticket)  # the engine is still writing into the host buffer
+            slot.ticket = None
+        if slot.copied is not None and slot.source is slot.host:
+            slot.copied.synchronize()  # the copy engine is still reading the host buffer
+        self._by_block.pop(slot.block, None)
+        slot.block, slot.source, slot.copied = None, None, None
+
+    def _copy(self, slot: Slot) -> None:
+        nbytes = self.store.entry(slot.block).length
+        with torch.cuda.stream(self.copy_stream):
+            if slot.computed is not None:
+                self.copy_stream.wait_event(slot.computed)  # compute may still read the old block
+            slot.device[:nbytes].copy_(slot.source[:nbytes], non_blocking=True)
+            slot.copied = torch.cuda.Event()
+            slot.copied.record(self.copy_stream)

@@ -1,0 +1,76 @@
+"""Where each block's bytes live between uses: in the layout on disk, or in host memory.
+
+    disk = LayoutStore(layout, engine)        # submit(name, host_buffer) -> ticket, wait(ticket)
+    ram = MemoryStore.load(layout, engine, names, pin=True)
+    ram.bytes_of("layers.3")                  # the block's bytes, ready to copy or bind
+
+Both hand out raw block bytes; turning them into tensors is layout.tensor_views' job.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerolite.io import IoEngine, aligned_empty
+from zerolite.layout import Layout
+from zerolite.manifest import BlockEntry
+
+
+class LayoutStore:
+    """Blocks at home in a layout, read by the engine on demand with O_DIRECT."""
+
+    def __init__(self, layout: Layout, engine: IoEngine):
+        self.layout = layout
+        self.engine = engine
+        self.bytes_read = 0
+
+    def entry(self, name: str) -> BlockEntry:
+        return self.layout.manifest.block(name)
+
+    def submit(self, name: str, host_buffer: torch.Tensor) -> int:
+        self.bytes_read += self.entry(name).length
+        return self.layout.submit_block(name, self.engine, host_buffer)
+
+    def done(self, ticket: int) -> bool:
+        """Whether the read has finished (waited for if so); never blocks."""
+        try:
+            self.engine.wait(ticket, timeout_s=0.0)
+        except TimeoutError:
+            return False
+        return True
+
+    def wait(self, ticket: int) -> None:
+        self.engine.wait(ticket)
+
+
+class MemoryStore:
+    """Blocks at home in host memory: each read once from the layout into its own aligned buffer,
+    page-locked when pin is set so that copies to the GPU run at full PCIe speed."""
+
+    def __init__(self, layout: Layout, buffers: dict[str, torch.Tensor]):
+        self.layout = layout
+        self._buffers = buffers
+
+    @classmethod
+    def load(cls, layout: Layout, engine: IoEngine, names: list[str], pin: bool, progress=None) -> MemoryStore:
+        """Reads the named blocks, many in flight at once."""
+        buffers, tickets = {}, []
+        for name in names:
+            entry = layout.manifest.block(name)
+            buffers[name] = aligned_empty(entry.length, pin=pin)
+            tickets.append((entry, layout.submit_block(name, engine, buffers[name])))
+        for entry, ticket in tickets:
+            engine.wait(ticket)
+            if progress is not None:
+                progress.advance(entry.length)
+        return cls(layout, buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._buffers.values())
+
+    def entry(self, name: str) -> BlockEntry:
+        return self.layout.manifest.block(name)
+
+    def bytes_of(self, name: str) -> torch.Tensor:
+        return self._buffers[name]
