@@ -47,12 +47,17 @@ def convert(
     meta_model = build_meta_model(config, torch_dtype)
     blocks = partition(meta_model)
     planned = plan_extents(meta_model, blocks)
-    source = {"model": str(model), "fingerprint": checkpoint.fingerprint()}
+    source = {"model": source_name(model), "fingerprint": checkpoint.fingerprint()}
     dtype_name = str(torch_dtype).removeprefix("torch.")
 
     out = prepare_folder(path)
     with exclusive_lock(out):
         existing = read_existing_manifest(out)
+        if existing and existing.source["model"] != source["model"]:
+            raise ZeroliteError(
+                f"{out} holds a layout of another model ({existing.source['model']}), not of {source['model']}: "
+                "choose another --path, or delete that folder to convert into it"
+            )
         if existing and existing.source["fingerprint"] == source["fingerprint"] and existing.dtype == dtype_name:
             return existing
         (out / MANIFEST).unlink(missing_ok=True)  # from here on the layout is not whole
@@ -75,6 +80,12 @@ def convert(
         write_atomically(out / MANIFEST, manifest.to_json())
         (out / JOURNAL).unlink()
     return manifest
+
+
+def source_name(model: str | os.PathLike) -> str:
+    """How the manifest names its source: an absolute path for local files, else the hub id."""
+    local = Path(model).expanduser()
+    return str(local.resolve()) if local.exists() else str(model)
 
 
 def choose_dtype(dtype: str | None, config) -> torch.dtype:
