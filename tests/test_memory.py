@@ -1,0 +1,72 @@
+"""Streaming from NVMe on a CPU device holds only the ring, the resident blocks and the KV cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from zerolite.convert import convert
+from zerolite.layout import Layout
+
+DEPTH = 2
+NEW_TOKENS = 4
+PROMPT = [5, 17, 33, 9, 44, 61, 70, 12]
+
+# Run in a fresh process, so that its peak RSS (VmHWM) says what loading and generating cost.
+# A tiny model of the same architecture runs first, so that code transformers imports on first use
+# is not counted; then writing 5 to clear_refs resets the peak to the current RSS.
+MEASURE = textwrap.dedent(
+    """
+    import json, sys, torch, zerolite
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    def run(layout):
+        with zerolite.load(layout, offload="nvme", device="cpu", prefetch_depth=int(sys.argv[3]), show_progress=False) as lm:
+            out = lm.generate(input_ids=torch.tensor([json.loads(sys.argv[4])]), max_new_tokens=int(sys.argv[5]),
+                              do_sample=False, return_dict_in_generate=True)
+            return sum(layer.keys.nbytes + layer.values.nbytes for layer in out.past_key_values.layers)
+
+    run(sys.argv[1])
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status("VmRSS")
+    kv_bytes = run(sys.argv[2])
+    print(json.dumps({"growth": status("VmHWM") - before, "kv_bytes": kv_bytes}))
+    """
+)
+
+
+def llama_layout(folder, hidden: int, layers: int):
+    config = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder / "source")
+    convert(folder / "source", folder / "layout", show_progress=False)
+    return folder / "layout"
+
+
+def test_peak_rss_stays_within_the_ring_for_a_model_many_times_larger(tmp_path):
+    warm_up = llama_layout(tmp_path / "tiny", hidden=64, layers=2)
+    big = llama_layout(tmp_path / "big", hidden=512, layers=24)
+    blocks = Layout.open(big).blocks
+    layer = max(b.length for b in blocks if b.name.startswith("layers."))
+    resident = sum(b.length for b in blocks if not b.name.startswith("layers."))
+    model_bytes = sum(b.length for b in blocks)
+
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(warm_up), str(big), str(DEPTH), json.dumps(PROMPT), str(NEW_TOKENS)],
+        capture_output=True, text=True, check=True, timeout=300,
+    )
+    measured = json.loads(result.stdout)
+    bound = (DEPTH + 2) * layer + resident + measured["kv_bytes"]
+    assert model_bytes > 4 * bound
+    assert measured["growth"] < bound, f"peak RSS grew {measured['growth'] / 1e6:.1f} MB, bound {bound / 1e6:.1f} MB"
