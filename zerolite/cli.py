@@ -1,4 +1,4 @@
-"""The `zerolite` command: convert a model into a layout, and inspect or verify one.
+"""The `zerolite` command: convert a model into a layout, inspect or verify one, generate from it.
 
 Every problem a user can fix ends as one line on stderr and a non-zero exit; --debug adds the
 traceback.
@@ -81,6 +81,74 @@ def inspect(
             layout.read_block(block.name, engine, buffer, verify=True)
             progress.advance(block.length)
     typer.echo("every block matches its checksum")
+
+
+@app.command()
+def generate(
+    prompts: Annotated[list[str] | None, typer.Argument(help="Prompts to complete (or use --input).", show_default=False)] = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", help="A layout folder, or a model folder / .gguf / hub id to convert into --path first (default: the built-in SmolLM2-135M-Instruct)."),
+    ] = None,
+    offload: Annotated[str, typer.Option(help="Where the blocks live while running: nvme (stream from the layout), cpu (host memory) or none (all resident).")] = "nvme",
+    path: Annotated[Path | None, typer.Option(help="Layout folder to convert --model into (default: zerolite's cache).")] = None,
+    device: Annotated[str, typer.Option(help="cuda, cpu, or auto (cuda when available).")] = "auto",
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting (default: the config's dtype).")] = None,
+    prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring: 2 reads the next block while one computes.")] = 2,
+    input_file: Annotated[Path | None, typer.Option("--input", help='JSONL prompts: {"id", "prompt"} or {"id", "input_ids"} per line.')] = None,
+    output: Annotated[Path | None, typer.Option(help='JSONL completions: {"id", "prompt", "completion", "token_ids", "finish_reason"} per line.')] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt, at most.")] = 64,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts per pass over the weights.")] = 8,
+    sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the likeliest tokens holding this much probability (0 < p <= 1).")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample among the k likeliest tokens (0: all).")] = 50,
+    seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the tokenizer's chat template.")] = False,
+    stats_json: Annotated[Path | None, typer.Option("--stats-json", help="Write timings, bytes read and peak memory here.")] = None,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights when converting (weights_only=True).")] = False,
+) -> None:
+    """Generate text with a model streamed from NVMe or CPU memory."""
+    import json
+
+    import zerolite
+    from zerolite.convert import write_atomically
+    from zerolite.generate import Sampling, generate_all
+    from zerolite.prompts import prompts_from_arguments, read_prompts
+
+    if prompts and input_file is not None:
+        raise ZeroliteError("give prompts as arguments or --input FILE, not both")
+    if not prompts and input_file is None:
+        raise ZeroliteError('nothing to generate from: give a prompt (zerolite generate "Once upon a time") or --input FILE.jsonl')
+    if output is not None and input_file is not None and output.resolve() == input_file.resolve():
+        raise ZeroliteError(f"--output {output} is the --input file: write the completions elsewhere")
+    for target in (output, stats_json):
+        if target is not None and not target.parent.is_dir():
+            raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
+    todo = read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
+    sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
+
+    lm = zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
+                       prefetch_depth=prefetch_depth)
+    finished = []
+
+    def show(batch) -> None:
+        finished.extend(batch)
+        if output is None:
+            for c in batch:
+                typer.echo(((c.prompt or "") + c.completion if not chat else c.completion) if c.completion is not None else json.dumps(c.token_ids))
+
+    with lm:
+        stats = generate_all(lm, todo, sampling, batch_size, show)
+    if output is not None:
+        write_atomically(output, "".join(c.to_json() + "\n" for c in finished))
+    if stats_json is not None:
+        write_atomically(stats_json, json.dumps(stats.to_dict(), indent=2) + "\n")
+    summary = stats.to_dict()
+    stderr.print(
+        f"[dim]{stats.new_tokens} new tokens for {len(todo)} prompt{'s' if len(todo) != 1 else ''}; prefill {stats.prefill_s:.2f} s, decode "
+        f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s), {stats.bytes_read / 1e9:.2f} GB read[/dim]"
+    )
 
 
 def main() -> None:

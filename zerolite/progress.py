@@ -9,11 +9,15 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 stderr = Console(stderr=True)
 
@@ -51,3 +55,47 @@ def byte_progress(description: str, total_bytes: int, total_items: int, enabled:
     with Progress(*columns, console=stderr, transient=False) as progress:
         task = progress.add_task(description, total=total_bytes, blocks=0, total_blocks=total_items)
         yield ByteProgress(progress, task)
+
+
+class TokenRateColumn(ProgressColumn):
+    """Tokens per second over the last few seconds (rich keeps the samples)."""
+
+    def render(self, task) -> Text:
+        rate = f"{task.speed:.1f}" if task.speed else "-"
+        return Text(f"{rate} tokens/s", style="progress.data.speed")
+
+
+class TokenProgress:
+    """Counts generated tokens; the bar shows them against the most the run can make."""
+
+    def __init__(self, progress: Progress | None, task):
+        self._progress, self._task = progress, task
+
+    def advance(self, tokens: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=tokens)
+
+    def note(self, text: str) -> None:
+        """A short status after the bar, e.g. which batch is running."""
+        if self._progress is not None:
+            self._progress.update(self._task, note=text)
+
+
+@contextmanager
+def token_progress(description: str, total_tokens: int, enabled: bool = True) -> Iterator[TokenProgress]:
+    """A bar of tokens generated with live tokens/s, on a terminal only (like byte_progress)."""
+    if not (enabled and stderr.is_terminal):
+        yield TokenProgress(None, None)
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TokenRateColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[note]}"),
+    )
+    with Progress(*columns, console=stderr, transient=False) as progress:
+        task = progress.add_task(description, total=total_tokens, note="")
+        yield TokenProgress(progress, task)

@@ -1,0 +1,170 @@
+"""`zerolite generate`: JSONL in and out, batches, stats, the built-in model, and its bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from cli_runner import assert_one_line_error, run
+from tiny_models import save_tiny_model
+from zerolite.convert import convert
+
+NEW_TOKENS = 6
+PROMPTS = [[5, 17, 33, 9, 44], [12, 90], [101, 3, 7, 55, 8, 19, 4]]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return save_tiny_model("gpt2", tmp_path_factory.mktemp("model") / "source")
+
+
+@pytest.fixture(scope="module")
+def layout(source, tmp_path_factory):
+    path = tmp_path_factory.mktemp("layout") / "layout"
+    convert(source, path, show_progress=False)
+    return path
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def transformers_tokens(source, batch: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens for one left-padded batch, cut after the end token."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in batch])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    rows = []
+    for row in out[:, width:].tolist():
+        rows.append(row[: row.index(2) + 1] if 2 in row else row)  # 2: the tiny models' end token
+    return rows
+
+
+def test_jsonl_in_and_out_match_transformers_batch_by_batch(capsys, monkeypatch, tmp_path, source):
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(PROMPTS)])
+    result = run(capsys, monkeypatch, "generate", "--model", source, "--path", tmp_path / "layout", "--device", "cpu",
+                 "--input", prompts, "--output", tmp_path / "out.jsonl", "--batch-size", "2",
+                 "--max-new-tokens", str(NEW_TOKENS), "--stats-json", tmp_path / "stats.json")
+    assert result.code == 0, result.stderr
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["p0", "p1", "p2"]
+    expected = transformers_tokens(source, PROMPTS[:2]) + transformers_tokens(source, PROMPTS[2:])
+    for line, tokens in zip(lines, expected, strict=True):
+        assert set(line) == {"id", "prompt", "completion", "token_ids", "finish_reason"}
+        assert line["prompt"] is None and line["completion"] is None  # token ids in, no tokenizer
+        assert line["token_ids"] == tokens
+        assert line["finish_reason"] == ("stop" if tokens[-1] == 2 else "length")
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert set(stats) >= {"load_s", "prefill_s", "decode_s", "new_tokens", "decode_tokens_per_s",
+                          "bytes_read", "peak_rss_bytes", "peak_device_bytes"}
+    assert stats["new_tokens"] == sum(map(len, expected)) and stats["bytes_read"] > 0
+
+
+def test_prompts_as_arguments_print_to_stdout(capsys, monkeypatch, tmp_path, layout):
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[0]}])
+    result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", prompts,
+                 "--max-new-tokens", "3")
+    assert result.code == 0
+    assert len(json.loads(result.stdout.strip())) <= 3  # no tokenizer: the token ids
+
+
+def test_sampling_with_a_seed_repeats(capsys, monkeypatch, tmp_path, layout):
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[2]}])
+    outputs = []
+    for name in ("a", "b"):
+        result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", prompts,
+                     "--sample", "--temperature", "1.5", "--top-k", "0", "--seed", "7", "--output", tmp_path / name)
+        assert result.code == 0, result.stderr
+        outputs.append((tmp_path / name).read_text())
+    assert outputs[0] == outputs[1]
+
+
+def test_the_builtin_model_knows_the_capital_of_france(tmp_path):
+    """The README's main job, as a user runs it: the built-in model, fetched and converted on first use."""
+    zerolite = shutil.which("zerolite", path=os.path.dirname(sys.executable)) or "zerolite"
+    env = dict(os.environ, ZEROLITE_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run([zerolite, "generate", "The capital of France is", "--offload", "nvme", "--max-new-tokens", "8"],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+
+
+# Bad input: one line on stderr, non-zero exit, no traceback.
+
+
+def test_not_a_causal_lm(capsys, monkeypatch, tmp_path):
+    from transformers import T5Config
+
+    folder = tmp_path / "t5"
+    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2).save_pretrained(folder)
+    save_file({"x": torch.zeros(1)}, folder / "model.safetensors")
+    result = run(capsys, monkeypatch, "generate", "hi", "--model", folder, "--path", tmp_path / "out", "--device", "cpu")
+    assert_one_line_error(result, "'t5' is not a causal language model")
+
+
+def test_layout_of_another_model(capsys, monkeypatch, tmp_path, source, layout):
+    other = save_tiny_model("llama", tmp_path / "other")
+    result = run(capsys, monkeypatch, "generate", "hi", "--model", other, "--path", layout, "--device", "cpu")
+    assert_one_line_error(result, "holds a layout of another model", "choose another --path")
+    assert (layout / "manifest.json").is_file()  # the other layout is left as it was
+
+
+@pytest.mark.parametrize(
+    ("content", "fragments"),
+    [
+        (b"", ("holds no prompts",)),
+        (b"\n  \n", ("holds no prompts",)),
+        (b'{"id": 1, "input_ids": [1, 2]}\n{"id": 2, "input_ids": [1,\n', ("line 2", "not valid JSON")),
+        (b'{"id": 1, "prompt": "caf\xe9"}\n', ("line 1", "not UTF-8")),
+        (b'[1, 2, 3]\n', ("line 1", "not an object")),
+        (b'{"input_ids": [1]}\n', ("line 1", '"id"')),
+        (b'{"id": 1}\n', ("line 1", "exactly one of")),
+        (b'{"id": 1, "input_ids": []}\n', ("line 1", "non-empty list")),
+        (b'{"id": 1, "input_ids": [1]}\n{"id": 1, "input_ids": [2]}\n', ("line 2", "appears twice")),
+        (b'{"id": 1, "input_ids": [100000]}\n', ("token id 100000", "vocabulary")),
+        (b'{"id": "long", "input_ids": [' + b", ".join([b"5"] * 300) + b"]}\n", ("'long' is 300 tokens", "context of 256")),
+        (b'{"id": "near", "input_ids": [' + b", ".join([b"5"] * 250) + b"]}\n", ("--max-new-tokens 6 or less",)),
+        (b'{"id": "text", "prompt": "hello"}\n', ("no tokenizer", "input_ids")),
+    ],
+)
+def test_bad_prompts_file(capsys, monkeypatch, tmp_path, layout, content, fragments):
+    (tmp_path / "in.jsonl").write_bytes(content)
+    result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", tmp_path / "in.jsonl",
+                 "--max-new-tokens", "10")
+    assert_one_line_error(result, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["hi", "--batch-size", "0"], ("--batch-size", "greater than or equal to 1")),
+        (["hi", "--max-new-tokens", "0"], ("--max-new-tokens", "greater than or equal to 1")),
+        (["hi", "--prefetch-depth", "0"], ("--prefetch-depth", "greater than or equal to 1")),
+        (["hi", "--offload", "disk"], ("unknown --offload", "nvme")),
+        (["hi", "--sample", "--temperature", "0"], ("--temperature must be above 0",)),
+        (["hi", "--sample", "--top-p", "1.5"], ("--top-p",)),
+        (["--input", "/nonexistent.jsonl"], ("does not exist",)),
+        (["hi", "--output", "/nonexistent/out.jsonl"], ("folder /nonexistent does not exist",)),
+        ([], ("nothing to generate from",)),
+    ],
+)
+def test_bad_options(capsys, monkeypatch, layout, args, fragments):
+    result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", *args)
+    assert_one_line_error(result, *fragments)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_asked_for_where_there_is_none(capsys, monkeypatch, layout):
+    result = run(capsys, monkeypatch, "generate", "hello", "--model", layout, "--device", "cuda")
+    assert_one_line_error(result, "no usable CUDA device", "--device cpu")

@@ -1,0 +1,237 @@
+"""The generate job: prompts in batches through a loaded model, completions and timings out.
+
+    stats = generate_all(lm, prompts, Sampling(max_new_tokens=64), batch_size=8, on_batch=write)
+
+Prompts are batched in input order and left-padded with an attention mask, as transformers
+expects for decoder-only models; every batch is one transformers generate call.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from zerolite.api import OffloadedLM
+from zerolite.errors import ZeroliteError
+from zerolite.progress import token_progress
+from zerolite.prompts import Completion, Prompt
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 64
+    sample: bool = False        # greedy unless set
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 50
+    seed: int | None = None     # set before every batch, so a batch's tokens do not depend on the ones before
+    chat: bool = False          # wrap each prompt in the tokenizer's chat template
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ZeroliteError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ZeroliteError(f"--temperature must be above 0, got {self.temperature}: for greedy decoding leave out --sample")
+        if not 0 < self.top_p <= 1:
+            raise ZeroliteError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ZeroliteError(f"--top-k must be 0 (all tokens) or more, got {self.top_k}")
+
+
+@dataclass
+class RunStats:
+    load_s: float = 0.0
+    convert_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0          # generated tokens kept, over all prompts (up to and with the end token)
+    decode_tokens: int = 0       # tokens produced by decode steps: rows x (steps - 1), per batch
+    bytes_read: int = 0
+    peak_rss_bytes: int = 0
+    peak_device_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "load_s": round(self.load_s, 4),
+            "convert_s": round(self.convert_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "new_tokens": self.new_tokens,
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s > 0 else None,
+            "bytes_read": self.bytes_read,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_device_bytes": self.peak_device_bytes,
+        }
+
+
+class StepClock(BaseStreamer):
+    """Times generate's steps through its streamer hook: the first put is the prompt, every later
+    put one new token per row. Prefill ends at the second put, decode at the last."""
+
+    def __init__(self, on_step: Callable[[int], None]):
+        self.on_step = on_step
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+        if len(self.times) > 1:
+            self.on_step(value.shape[0])
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def prefill_s(self) -> float:
+        return self.times[1] - self.times[0] if len(self.times) > 1 else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.times[-1] - self.times[1] if len(self.times) > 2 else 0.0
+
+    @property
+    def decode_steps(self) -> int:
+        return max(len(self.times) - 2, 0)
+
+
+def generate_all(
+    lm: OffloadedLM,
+    prompts: list[Prompt],
+    sampling: Sampling,
+    batch_size: int,
+    on_batch: Callable[[list[Completion]], None],
+    show_progress: bool = True,
+) -> RunStats:
+    """Generates for every prompt, batch after batch, handing each batch's completions to on_batch."""
+    if batch_size < 1:
+        raise ZeroliteError(f"--batch-size must be at least 1, got {batch_size}")
+    encoded = encode(lm, prompts, sampling.chat)
+    check_context(lm, prompts, encoded, sampling.max_new_tokens)
+    config = generation_config(lm, sampling)
+    stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
+    bytes_before = lm.bytes_read
+    batches = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
+    with token_progress("generating", len(prompts) * sampling.max_new_tokens, enabled=show_progress) as progress:
+        for number, rows in enumerate(batches, start=1):
+            progress.note(f"batch {number}/{len(batches)}")
+            input_ids, attention_mask = left_pad([encoded[i] for i in rows], config.pad_token_id)
+            clock = StepClock(progress.advance)
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            output = lm.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock
+            )
+            new = output[:, input_ids.shape[1] :].cpu()
+            completions = [finish(lm, prompts[i], new[k].tolist(), config) for k, i in enumerate(rows)]
+            stats.prefill_s += clock.prefill_s
+            stats.decode_s += clock.decode_s
+            stats.decode_tokens += len(rows) * clock.decode_steps
+            stats.new_tokens += sum(len(c.token_ids) for c in completions)
+            on_batch(completions)
+    stats.bytes_read = lm.bytes_read - bytes_before
+    stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if lm.device.type == "cuda":
+        stats.peak_device_bytes = torch.cuda.max_memory_allocated(lm.device)
+    return stats
+
+
+def encode(lm: OffloadedLM, prompts: list[Prompt], chat: bool) -> list[list[int]]:
+    tokenizer = lm.tokenizer
+    vocab = lm.model.config.get_text_config().vocab_size
+    encoded = []
+    for prompt in prompts:
+        if prompt.input_ids is not None:
+            ids = list(prompt.input_ids)
+            if max(ids) >= vocab:
+                raise ZeroliteError(f"prompt {prompt.id!r} has token id {max(ids)}, but the model's vocabulary has {vocab}: check its input_ids")
+        elif tokenizer is None:
+            raise ZeroliteError(f"prompt {prompt.id!r} is text, but this model has no tokenizer: give \"input_ids\" in the --input file instead")
+        elif chat:
+            if not tokenizer.chat_template:
+                raise ZeroliteError("--chat asked for, but this model's tokenizer has no chat template: leave out --chat")
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(prompt.text).input_ids
+        if not ids:
+            raise ZeroliteError(f"prompt {prompt.id!r} encodes to no tokens: give it some text")
+        encoded.append(ids)
+    return encoded
+
+
+def context_length(lm: OffloadedLM) -> int | None:
+    config = lm.model.config.get_text_config()
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], max_new_tokens: int) -> None:
+    limit = context_length(lm)
+    if limit is None:
+        return
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    length = len(encoded[longest])
+    if length > limit:
+        raise ZeroliteError(
+            f"prompt {prompts[longest].id!r} is {length} tokens, longer than the model's context of {limit}: shorten it"
+        )
+    if length + max_new_tokens > limit:
+        raise ZeroliteError(
+            f"prompt {prompts[longest].id!r} is {length} tokens; with --max-new-tokens {max_new_tokens} it would run past "
+            f"the model's context of {limit}: use --max-new-tokens {limit - length} or less"
+        )
+
+
+def generation_config(lm: OffloadedLM, sampling: Sampling):
+    config = copy.deepcopy(lm.generation_config)
+    config.max_new_tokens = sampling.max_new_tokens
+    config.max_length = None
+    config.do_sample = sampling.sample
+    if sampling.sample:
+        config.temperature, config.top_p, config.top_k = sampling.temperature, sampling.top_p, sampling.top_k
+    if config.pad_token_id is None:
+        config.pad_token_id = pad_id(lm, config)
+    return config
+
+
+def pad_id(lm: OffloadedLM, config) -> int:
+    """The generation config's pad id, else the tokenizer's, else the end-of-sequence id."""
+    if lm.tokenizer is not None and lm.tokenizer.pad_token_id is not None:
+        return lm.tokenizer.pad_token_id
+    eos = config.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if eos is not None else 0
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for k, ids in enumerate(rows):
+        input_ids[k, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[k, width - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
+def finish(lm: OffloadedLM, prompt: Prompt, new_ids: list[int], config) -> Completion:
+    """Cuts a row's new tokens after its first end-of-sequence token (generate pads the rest)."""
+    eos = config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    reason = "length"
+    for k, token in enumerate(new_ids):
+        if token in eos_ids:
+            new_ids, reason = new_ids[: k + 1], "stop"
+            break
+    text = lm.tokenizer.decode(new_ids, skip_special_tokens=True) if lm.tokenizer is not None else None
+    return Completion(prompt.id, prompt.text, text, new_ids, reason)
