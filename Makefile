@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build; a bare `torch` would pull a multi-GB CUDA build. Override on a GPU machine.
 TORCH ?= torch==2.13.0
-LAYOUT ?= build/smollm2
+PROMPT ?= The capital of France is
 
 .PHONY: demo test bench-io clean
 
@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
 
+# The main job: the built-in model (converted into ~/.cache/zerolite on first use) answers a prompt,
+# every decoder layer streamed from its layout on disk.
 demo: $(STAMP)
-	$(BIN)/zerolite convert --path $(LAYOUT)
-	$(BIN)/zerolite inspect $(LAYOUT) --verify
+	$(BIN)/zerolite generate "$(PROMPT)" --offload nvme --max-new-tokens 24
 
 test: $(STAMP)
 	$(BIN)/pytest
