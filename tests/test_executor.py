@@ -114,3 +114,34 @@ def test_a_failed_forward_leaves_the_model_usable(tiny):
         with pytest.raises(IndexError):
             lm.generate(input_ids=torch.tensor([[10_000]]), max_new_tokens=2)  # past the vocabulary
         assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
+
+
+def test_generate_takes_transformers_generation_arguments(tiny):
+    """GenerationConfig, stopping criteria and streamers pass through to transformers' generate."""
+    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.puts = []
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.puts.append("end")
+
+    class StopAfterThree(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= len(SINGLE[0]) + 3, dtype=torch.bool)
+
+    layout, reference = tiny
+    streamer = Collect()
+    with zerolite.load(layout, offload="nvme", device="cpu", show_progress=False) as lm:
+        out = lm.generate(
+            input_ids=torch.tensor(SINGLE), generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD),
+            stopping_criteria=StoppingCriteriaList([StopAfterThree()]), streamer=streamer,
+        )
+    expected = reference("cpu")[0].sequences[:, : len(SINGLE[0]) + 3]
+    assert torch.equal(out, expected[:, : out.shape[1]]) and out.shape[1] <= len(SINGLE[0]) + 3
+    assert streamer.puts[0] == SINGLE and streamer.puts[-1] == "end"
