@@ -19,6 +19,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
 from zerolite.layout import Layout
 from zerolite.manifest import DTYPES, MANIFEST
+from zerolite.plan import Plan
 from zerolite.policy import Policy, default_layout_path
 from zerolite.progress import byte_progress
 
@@ -99,10 +100,8 @@ def load(
             f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
             f"convert into another --path with --dtype {dtype}"
         )
-    preload = layout.manifest.data_bytes if offload != "nvme" else sum(
-        b.length for b in layout.blocks if not b.name.startswith("layers.")
-    )
-    with byte_progress("loading", preload, len(layout.blocks), enabled=show_progress) as progress:
+    loaded = [layout.manifest.block(name) for name in Plan.make(layout.manifest, policy).loaded]
+    with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
         executor = Executor(layout, policy, progress)
     tokenizer = load_tokenizer(layout_folder)
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s)

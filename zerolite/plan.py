@@ -29,6 +29,7 @@ class Plan:
         resident = tuple(name for name in names if name not in streamed)
         return cls(resident, streamed, policy.offload)
 
-    def streamed_bytes(self, manifest: Manifest) -> int:
-        """Bytes that pass through the slots per forward."""
-        return sum(manifest.block(name).length for name in self.streamed)
+    @property
+    def loaded(self) -> tuple[str, ...]:
+        """Blocks read while loading: the resident ones, and the streamed ones when their home is memory."""
+        return self.resident + (self.streamed if self.home != "nvme" else ())
