@@ -2,6 +2,7 @@
 // the engine's errors into OSError subclasses that carry errno and the file name.
 #include <Python.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include "io_engine.h"

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <ctime>
 #include <cstring>
 #include <vector>
 
@@ -12,6 +13,13 @@
 
 namespace zerolite {
 namespace {
+
+// The clock Python's time.perf_counter() reads on Linux, so completion times line up with its.
+double monotonic_seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
+}
 
 std::string describe(const std::string& path, std::uint64_t offset) {
   return path + " at offset " + std::to_string(offset);
@@ -99,6 +107,7 @@ std::uint64_t IoEngine::submit(const std::string& path, void* dst, std::size_t n
   requests_[ticket] = request;
   if (chunks.empty()) {
     close(request->fd);
+    request->finished_s = monotonic_seconds();
     request->done = true;
   } else {
     backend_->enqueue(std::move(chunks));
@@ -128,14 +137,16 @@ void IoEngine::on_chunk_done(const Chunk& chunk, const ChunkOutcome& outcome) {
   }
   if (request.chunks_left.fetch_sub(1) != 1) return;
   close(request.fd);
+  double now = monotonic_seconds();
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    request.finished_s = now;
     request.done = true;
   }
   done_.notify_all();
 }
 
-bool IoEngine::wait(std::uint64_t ticket, double timeout_s) {
+std::optional<double> IoEngine::wait(std::uint64_t ticket, double timeout_s) {
   std::unique_lock<std::mutex> lock(mutex_);
   auto it = requests_.find(ticket);
   if (it == requests_.end()) {
@@ -147,12 +158,12 @@ bool IoEngine::wait(std::uint64_t ticket, double timeout_s) {
   if (timeout_s < 0) {
     done_.wait(lock, is_done);
   } else if (!done_.wait_for(lock, std::chrono::duration<double>(timeout_s), is_done)) {
-    return false;
+    return std::nullopt;
   }
   requests_.erase(ticket);
   lock.unlock();
   if (request->error) std::rethrow_exception(request->error);
-  return true;
+  return request->finished_s;
 }
 
 }  // namespace zerolite

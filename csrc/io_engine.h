@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -41,10 +42,11 @@ class IoEngine {
   std::uint64_t submit(const std::string& path, void* dst, std::size_t nbytes,
                        std::uint64_t file_offset);
 
-  // Blocks until every byte of the ticket's request has arrived (true) or timeout_s has passed
-  // (false; the ticket stays valid). A negative timeout waits for ever. Throws IoError or
-  // ShortReadError if the request failed; the ticket is spent either way once it is done.
-  bool wait(std::uint64_t ticket, double timeout_s);
+  // Blocks until every byte of the ticket's request has arrived, and returns when that was
+  // (CLOCK_MONOTONIC seconds), or until timeout_s has passed (nullopt; the ticket stays valid).
+  // A negative timeout waits for ever. Throws IoError or ShortReadError if the request failed;
+  // the ticket is spent either way once it is done.
+  std::optional<double> wait(std::uint64_t ticket, double timeout_s);
 
   const char* backend_name() const;
   const EngineOptions& options() const { return options_; }

@@ -39,7 +39,8 @@ struct ReadRequest {
   std::uint64_t file_offset = 0;
   std::size_t nbytes = 0;
   std::atomic<std::size_t> chunks_left{0};
-  bool done = false;  // guarded by the engine's mutex
+  bool done = false;      // guarded by the engine's mutex
+  double finished_s = 0;  // CLOCK_MONOTONIC seconds when the last chunk landed (Python's perf_counter clock)
 
   // The first failure wins; later chunks of the same request may fail for the same cause.
   std::mutex error_mutex;

@@ -80,8 +80,9 @@ class IoEngine:
         self._destinations[ticket] = dst
         return ticket
 
-    def wait(self, ticket: int, timeout_s: float | None = None) -> None:
-        """Blocks until the ticket's bytes have all arrived; raises OSError naming file and offset.
+    def wait(self, ticket: int, timeout_s: float | None = None) -> float:
+        """Blocks until the ticket's bytes have all arrived and returns when the last one did, on
+        time.perf_counter()'s clock; raises OSError naming file and offset.
 
         With timeout_s, raises TimeoutError when the read has not finished by then (the ticket
         stays valid and can be waited for again).
@@ -91,9 +92,10 @@ class IoEngine:
         except OSError:
             self._destinations.pop(ticket, None)
             raise
-        if not finished:
+        if finished is None:
             raise TimeoutError(f"read {ticket} has not finished after {timeout_s} s")
         del self._destinations[ticket]
+        return finished
 
     def read(self, path: str | os.PathLike, dst: torch.Tensor, file_offset: int = 0) -> torch.Tensor:
         """Submit and wait in one call, for when there is nothing to overlap."""
