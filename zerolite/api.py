@@ -22,6 +22,7 @@ from zerolite.manifest import DTYPES, MANIFEST
 from zerolite.plan import Plan
 from zerolite.policy import Policy, default_layout_path
 from zerolite.progress import byte_progress
+from zerolite.timeline import NO_TIMELINE, Timeline
 
 
 class OffloadedLM:
@@ -78,14 +79,15 @@ def load(
     dtype: str | None = None,
     allow_pickle: bool = False,
     show_progress: bool = True,
+    timeline: Timeline | None = None,
     **policy,
 ) -> OffloadedLM:
     """Loads model for streamed inference.
 
     model: a zerolite layout folder, or a checkpoint (model folder, .gguf file, hub id in the local
     cache), converted first into path (default: zerolite's cache) and reused on later loads.
-    None means the built-in SmolLM2-135M-Instruct. The remaining keywords are Policy fields
-    (prefetch_depth, io_backend, ...).
+    None means the built-in SmolLM2-135M-Instruct. timeline, if given, records what the executor
+    does (zerolite profile). The remaining keywords are Policy fields (prefetch_depth, io_backend, ...).
     """
     quiet_transformers()
     policy = Policy(offload=offload, device=device, **policy)
@@ -102,7 +104,7 @@ def load(
         )
     loaded = [layout.manifest.block(name) for name in Plan.make(layout.manifest, policy).loaded]
     with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
-        executor = Executor(layout, policy, progress)
+        executor = Executor(layout, policy, progress, timeline or NO_TIMELINE)
     tokenizer = load_tokenizer(layout_folder)
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s)
 

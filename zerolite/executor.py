@@ -25,19 +25,22 @@ from zerolite.policy import Policy
 from zerolite.schedule import Schedule
 from zerolite.slots import Slots
 from zerolite.store import LayoutStore, MemoryStore
+from zerolite.timeline import NO_TIMELINE
 
 GENERATION_CONFIG = "generation_config.json"
 
 
 class Executor:
-    def __init__(self, layout: Layout, policy: Policy, progress=None):
+    def __init__(self, layout: Layout, policy: Policy, progress=None, timeline=NO_TIMELINE):
         """Builds the model and makes it ready to run: resident blocks read and bound, hooks set.
 
-        progress (a ByteProgress) is advanced by the bytes read while loading.
+        progress (a ByteProgress) is advanced by the bytes read while loading; timeline (a
+        Timeline) records reads, copies, waits, compute and steps while the model runs.
         """
         manifest = layout.manifest
         self.layout = layout
         self.policy = policy
+        self.timeline = timeline
         self.device = policy.torch_device
         self.plan = Plan.make(manifest, policy)
         self.model = build_model(layout, self.device)
@@ -54,15 +57,18 @@ class Executor:
         else:
             self.store = MemoryStore.load(layout, self.engine, list(self.plan.streamed), pin=on_cuda, progress=progress)
         slot_bytes = max((manifest.block(name).length for name in self.plan.streamed), default=0)
-        self.slots = Slots(self.store, policy.prefetch_depth, self.device, slot_bytes)
+        self.slots = Slots(self.store, policy.prefetch_depth, self.device, slot_bytes, timeline)
         self.schedule = Schedule(list(self.plan.streamed))
-        self._running: list[str] = []
+        self._running: dict[str, object] = {}  # block -> its open compute span
+        self._step = None
+        self._steps = 0
         self._hooks = []
         for name in self.plan.streamed:
             module = self.model.get_submodule(f"{manifest.layers_path}.{name.removeprefix('layers.')}")
             self._hooks.append(module.register_forward_pre_hook(self._hook_before(name)))
             self._hooks.append(module.register_forward_hook(self._hook_after(name)))
-        self._hooks.append(self.model.register_forward_hook(lambda *_: self.schedule.end_forward()))
+        self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._start_step()))
+        self._hooks.append(self.model.register_forward_hook(lambda *_: self._end_step()))
 
     @property
     def bytes_read(self) -> int:
@@ -89,19 +95,37 @@ class Executor:
         self.schedule.ran(name)
         self.slots.want([name] + self.schedule.ahead(name, self.policy.prefetch_depth - 1))
         self.slots.advance()
-        self._bindings[name].bind(self.slots.wait(name))
-        self._running.append(name)
+        with self.timeline.span("wait", name):
+            self._bindings[name].bind(self.slots.wait(name))
+        compute = self.timeline.span("compute", name, stream=self._compute_stream())
+        compute.__enter__()  # closed by after_block: the block's forward runs in between
+        self._running[name] = compute
 
     def after_block(self, name: str) -> None:
+        self._running.pop(name).__exit__(None, None, None)
         self._bindings[name].unbind()
         self.slots.release(name)
-        self._running.remove(name)
+
+    def _start_step(self) -> None:
+        self._step = self.timeline.span("step", f"step {self._steps}", stream=self._compute_stream())
+        self._step.__enter__()
+
+    def _end_step(self) -> None:
+        self._step.__exit__(None, None, None)
+        self._step = None
+        self._steps += 1
+        self.schedule.end_forward()
+
+    def _compute_stream(self) -> torch.cuda.Stream | None:
+        """Where compute is queued: timed there on CUDA, on the host clock otherwise."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" and self.timeline.enabled else None
 
     def recover(self) -> None:
         """After a forward that raised half-way: unbind what was running and free its slots."""
         for name in list(self._running):
             self.after_block(name)
-        self.schedule.end_forward()
+        if self._step is not None:
+            self._end_step()
 
     def close(self) -> None:
         """Waits for reads still in flight (prefetches for a forward that never came) and unhooks."""

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from zerolite.io import aligned_empty
 from zerolite.store import LayoutStore, MemoryStore
+from zerolite.timeline import NO_TIMELINE
 
 
 @dataclass(eq=False)
@@ -32,6 +35,7 @@ class Slot:
     block: str | None = None
     source: torch.Tensor | None = None   # where the block's bytes are in host memory
     ticket: int | None = None            # engine read into host, not yet waited for
+    submitted: float = 0.0               # when that read was submitted (perf_counter)
     copied: torch.cuda.Event | None = None    # set once the host-to-device copy is issued
     computed: torch.cuda.Event | None = None  # compute's last use of the device buffer
     in_use: bool = False
@@ -39,8 +43,10 @@ class Slot:
 
 
 class Slots:
-    def __init__(self, store: LayoutStore | MemoryStore, depth: int, device: torch.device, slot_bytes: int):
+    def __init__(self, store: LayoutStore | MemoryStore, depth: int, device: torch.device, slot_bytes: int,
+                 timeline=NO_TIMELINE):
         self.store = store
+        self.timeline = timeline
         self.device = device
         self.on_cuda = device.type == "cuda"
         reads = isinstance(store, LayoutStore)
@@ -78,6 +84,7 @@ class Slots:
             slot.block, slot.started = name, self._starts
             self._by_block[name] = slot
             if isinstance(self.store, LayoutStore):
+                slot.submitted = time.perf_counter()
                 slot.ticket = self.store.submit(name, slot.host)
                 slot.source = slot.host
             else:
@@ -90,9 +97,11 @@ class Slots:
         if not self.on_cuda:
             return
         for slot in self._slots:
-            if slot.ticket is not None and self.store.done(slot.ticket):
-                slot.ticket = None
-                self._copy(slot)
+            if slot.ticket is not None:
+                finished = self.store.finished(slot.ticket)
+                if finished is not None:
+                    self._read_done(slot, finished)
+                    self._copy(slot)
 
     def wait(self, name: str) -> torch.Tensor:
         """The block's bytes, ready for compute on the current stream (want(name) came first).
@@ -102,8 +111,7 @@ class Slots:
         """
         slot = self._by_block[name]
         if slot.ticket is not None:
-            self.store.wait(slot.ticket)
-            slot.ticket = None
+            self._read_done(slot, self.store.wait(slot.ticket))
         slot.in_use = True
         if not self.on_cuda:
             return slot.source[: self.store.entry(name).length]
@@ -130,13 +138,15 @@ class Slots:
         """Waits for every read in flight: no read may outlive the buffers it fills."""
         for slot in self._slots:
             if slot.ticket is not None:
-                self.store.wait(slot.ticket)
-                slot.ticket = None
+                self._read_done(slot, self.store.wait(slot.ticket))
+
+    def _read_done(self, slot: Slot, finished: float) -> None:
+        self.timeline.add("read", slot.block, slot.submitted, finished, bytes=self.store.entry(slot.block).length)
+        slot.ticket = None
 
     def _empty(self, slot: Slot) -> None:
-        if slot.ticket is not None:
-            self.store.wait(slot.ticket)  # the engine is still writing into the host buffer
-            slot.ticket = None
+        if slot.ticket is not None:  # the engine is still writing into the host buffer
+            self._read_done(slot, self.store.wait(slot.ticket))
         if slot.copied is not None and slot.source is slot.host:
             slot.copied.synchronize()  # the copy engine is still reading the host buffer
         self._by_block.pop(slot.block, None)
@@ -147,6 +157,7 @@ class Slots:
         with torch.cuda.stream(self.copy_stream):
             if slot.computed is not None:
                 self.copy_stream.wait_event(slot.computed)  # compute may still read the old block
-            slot.device[:nbytes].copy_(slot.source[:nbytes], non_blocking=True)
+            with self.timeline.span("copy", slot.block, stream=self.copy_stream, bytes=nbytes):
+                slot.device[:nbytes].copy_(slot.source[:nbytes], non_blocking=True)
             slot.copied = torch.cuda.Event()
             slot.copied.record(self.copy_stream)

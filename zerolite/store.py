@@ -31,16 +31,16 @@ class LayoutStore:
         self.bytes_read += self.entry(name).length
         return self.layout.submit_block(name, self.engine, host_buffer)
 
-    def done(self, ticket: int) -> bool:
-        """Whether the read has finished (waited for if so); never blocks."""
+    def finished(self, ticket: int) -> float | None:
+        """When the read finished (it is then waited for), or None while it runs; never blocks."""
         try:
-            self.engine.wait(ticket, timeout_s=0.0)
+            return self.engine.wait(ticket, timeout_s=0.0)
         except TimeoutError:
-            return False
-        return True
+            return None
 
-    def wait(self, ticket: int) -> None:
-        self.engine.wait(ticket)
+    def wait(self, ticket: int) -> float:
+        """Blocks until the read is done; returns when it finished (perf_counter clock)."""
+        return self.engine.wait(ticket)
 
 
 class MemoryStore:
