@@ -1,4 +1,4 @@
-"""The `zerolite` command: convert a model into a layout, inspect or verify one, generate from it.
+"""The `zerolite` command: convert a model into a layout, inspect or verify one, generate from it, profile it.
 
 Every problem a user can fix ends as one line on stderr and a non-zero exit; --debug adds the
 traceback.
@@ -149,6 +149,93 @@ def generate(
         f"[dim]{stats.new_tokens} new tokens for {len(todo)} prompt{'s' if len(todo) != 1 else ''}; prefill {stats.prefill_s:.2f} s, decode "
         f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s), {stats.bytes_read / 1e9:.2f} GB read[/dim]"
     )
+
+
+@app.command()
+def profile(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="As for generate (default: the built-in model).")] = None,
+    offload: Annotated[str, typer.Option(help="nvme, cpu or none, as for generate.")] = "nvme",
+    path: Annotated[Path | None, typer.Option(help="Layout folder to convert --model into.")] = None,
+    device: Annotated[str, typer.Option(help="cuda, cpu, or auto.")] = "auto",
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting.")] = None,
+    prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring.")] = 2,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 1,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Steps to run: one prefill, the rest decode.")] = 8,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Length of the random prompts.")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (open it in Perfetto).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Draw the timeline of the last steps into a PNG (needs matplotlib).")] = None,
+    disk: Annotated[Path | None, typer.Option(help="Only measure the read bandwidth of this layout, file or folder.")] = None,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights when converting.")] = False,
+) -> None:
+    """Show where each step's time goes and what limits it: disk, copies, compute or prefetch."""
+    import json
+
+    for target in (trace, plot):
+        if target is not None and not target.parent.is_dir():
+            raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
+    if disk is not None:
+        from zerolite.machine import measure_disk
+
+        figures = measure_disk(disk)
+        if as_json:
+            typer.echo(json.dumps(figures))
+        else:
+            typer.echo(f"{figures['file']}: {figures['read_gbps']:.2f} GB/s sequential O_DIRECT reads "
+                       f"({figures['bytes'] / 1e9:.2f} GB in {figures['seconds']:.2f} s, {figures['backend']})")
+        return
+
+    import zerolite
+    from zerolite.profile import profile_run
+    from zerolite.timeline import Timeline
+    from zerolite.trace import plot_timeline, write_trace
+
+    timeline = Timeline()
+    with zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
+                       prefetch_depth=prefetch_depth, timeline=timeline, show_progress=not as_json) as lm:
+        report = profile_run(lm, timeline, batch_size, new_tokens, prompt_tokens)
+    if trace is not None:
+        write_trace(timeline, trace)
+    if plot is not None:
+        plot_timeline(timeline, plot, report.verdict,
+                      f"{offload} offload, depth {prefetch_depth}, batch {batch_size}, {report.decode_step_s * 1e3:.0f} ms per decode step")
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        show_report(report)
+
+
+def show_report(report) -> None:
+    from rich.console import Console
+
+    table = Table(title=f"zerolite profile: {report.offload} offload on {report.device}, depth {report.prefetch_depth}, batch {report.batch_size}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+
+    def rate(gbps):
+        return f"{gbps:.2f} GB/s" if gbps is not None else "-"
+
+    rows = [
+        ("disk read bandwidth (measured)", rate(report.read_gbps)),
+        ("host-to-device bandwidth (measured)", rate(report.h2d_gbps)),
+        ("prefill step", f"{report.prefill_s * 1e3:.1f} ms"),
+        ("decode step (median)", f"{report.decode_step_s * 1e3:.1f} ms"),
+        ("  compute waiting for bytes", f"{report.wait_s * 1e3:.1f} ms"),
+        ("  compute", f"{report.compute_s * 1e3:.1f} ms"),
+        ("  I/O at the measured bandwidth", f"{report.io_s * 1e3:.1f} ms"),
+        ("streamed per step", f"{report.streamed_bytes_per_step / 1e9:.3f} GB"),
+        ("achieved read rate", rate(report.achieved_read_gbps)),
+        ("share of the bound", f"{report.share_of_bound:.0%}"),
+        ("overlap (step / max(I/O, compute))", f"{report.overlap:.2f}"),
+        ("transfers in flight", f"{report.link_busy:.0%} of the step, {report.in_flight_bytes / 1e6:.0f} MB on average"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    out = Console()
+    out.print(table)
+    out.print(f"[bold]{report.verdict}[/bold]")
+    for advice in report.advice:
+        out.print(f"  - {advice}")
 
 
 def main() -> None:

@@ -1,0 +1,112 @@
+"""`zerolite profile`: the trace shows reads overlapping compute, the verdicts name the right limit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import zerolite
+from cli_runner import assert_one_line_error, run
+from zerolite.convert import convert
+from zerolite.machine import measure_disk
+from zerolite.profile import profile_run
+from zerolite.timeline import Timeline
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    """A 300 MB fp32 Llama of 8 layers of 38 MB: big enough that reading a layer takes as long as
+    computing it for a batch of 64 on two CPU cores, small enough to build in seconds."""
+    folder = tmp_path_factory.mktemp("profile")
+    config = LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=3072, num_hidden_layers=8,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder / "source")
+    convert(folder / "source", folder / "layout", show_progress=False)
+    return folder / "layout"
+
+
+def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5):
+    timeline = Timeline()
+    with zerolite.load(layout, offload=offload, device="cpu", prefetch_depth=depth, timeline=timeline,
+                       show_progress=False) as lm:
+        return profile_run(lm, timeline, batch, new_tokens, prompt_tokens=8), timeline
+
+
+def test_trace_shows_the_next_read_overlapping_compute_from_depth_2(capsys, monkeypatch, tmp_path, layout):
+    for depth in (1, 2, 4):
+        trace_file = tmp_path / f"trace-{depth}.json"
+        result = run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", "--prefetch-depth", str(depth),
+                     "--new-tokens", "4", "--json", "--trace", trace_file)
+        assert result.code == 0, result.stderr
+        trace = json.loads(trace_file.read_text())
+        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        tracks = {names[e["tid"]] for e in spans}
+        assert {"reads (disk)", "compute", "steps"} <= tracks
+        reads = [e for e in spans if names[e["tid"]] == "reads (disk)"]
+        computes = [e for e in spans if names[e["tid"]] == "compute"]
+        overlapping = 0
+        for compute in computes:
+            index = int(compute["name"].removeprefix("layers."))
+            if index == 7:
+                continue
+            begin, end = compute["ts"], compute["ts"] + compute["dur"]
+            nxt = f"layers.{index + 1}"
+            overlapping += any(r["name"] == nxt and r["ts"] < end and r["ts"] + r["dur"] > begin for r in reads)
+        pairs = sum(1 for c in computes if c["name"] != "layers.7")
+        if depth == 1:
+            assert overlapping == 0  # nothing is read ahead: the test can tell the difference
+        else:
+            assert overlapping >= 0.9 * pairs, f"depth {depth}: {overlapping} of {pairs} reads overlap compute"
+
+
+def test_verdict_disk_bound_when_every_block_streams_for_a_small_batch(layout):
+    report, _ = profiled(layout, "nvme", depth=6, batch=1)  # 5 layers (190 MB) read ahead: the disk is kept full
+    assert report.bottleneck == "disk", report.verdict
+    assert report.verdict.startswith("disk-bound") and "of the measured" in report.verdict
+
+
+def test_verdict_compute_bound_with_everything_resident_and_a_large_batch(layout):
+    report, _ = profiled(layout, "none", depth=2, batch=64)
+    assert report.bottleneck == "compute" and report.io_s == 0, report.verdict
+
+
+def test_verdict_prefetch_starved_at_depth_1(layout):
+    report, _ = profiled(layout, "nvme", depth=1, batch=64)
+    assert report.bottleneck == "prefetch", report.verdict
+    assert any("--prefetch-depth" in advice for advice in report.advice)
+
+
+def test_profile_step_matches_the_timeline_it_draws(capsys, monkeypatch, tmp_path, layout):
+    result = run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", "--new-tokens", "3", "--json",
+                 "--plot", tmp_path / "timeline.png")
+    assert result.code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) >= {"decode_step_s", "achieved_read_gbps", "share_of_bound", "overlap", "verdict", "advice"}
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_disk_only_reports_read_gbps(capsys, monkeypatch, tmp_path, layout):
+    result = run(capsys, monkeypatch, "profile", "--disk", layout, "--json")
+    assert result.code == 0, result.stderr
+    assert json.loads(result.stdout)["read_gbps"] > 0
+    scratch = measure_disk(tmp_path, scratch_bytes=64 << 20)  # a folder: a scratch file is written, read, removed
+    assert scratch["read_gbps"] > 0 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--disk", "/nonexistent"], ("--disk /nonexistent does not exist",)),
+        (["--new-tokens", "1"], ("--new-tokens", "greater than or equal to 2")),
+        (["--batch-size", "0"], ("--batch-size", "greater than or equal to 1")),
+        (["--plot", "/nonexistent/t.png"], ("folder /nonexistent does not exist",)),
+        (["--offload", "ssd"], ("unknown --offload",)),
+    ],
+)
+def test_bad_profile_options(capsys, monkeypatch, layout, args, fragments):
+    assert_one_line_error(run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", *args), *fragments)

@@ -1,0 +1,185 @@
+"""`zerolite profile`: a short generation on a timeline, the machine measured beside it, and a verdict.
+
+    report = profile_run(lm, timeline, batch_size=8, new_tokens=8)
+    report.verdict        # "disk-bound: reading at 92% of the measured 2.1 GB/s; ..."
+
+The arithmetic, per decode step (the prefill step is reported apart):
+  I/O      = bytes streamed per step / measured read bandwidth (host-to-device on CUDA with a memory home)
+  compute  = step time - time compute sat waiting for its block's bytes
+  bound    = max(I/O, compute): the best a perfect overlap could do
+  overlap  = step / bound (1.00 = perfect)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from zerolite.api import OffloadedLM
+from zerolite.machine import measure_disk, measure_host_to_device
+from zerolite.timeline import Span, Timeline
+
+WAITING = 0.15  # compute waiting less than this share of a step is not held up by transfers
+BUSY = 0.85     # a link carrying data this share of a step (or more) is the one holding it up...
+FULL = 0.7      # ...unless it moves them below this share of its measured bandwidth while
+                # fewer bytes are in flight than the engine's queue holds: then deeper prefetch helps
+
+
+@dataclass
+class Report:
+    device: str
+    offload: str
+    prefetch_depth: int
+    batch_size: int
+    new_tokens: int
+    read_gbps: float | None             # measured: O_DIRECT sequential reads where the layout lives
+    h2d_gbps: float | None              # measured: pinned host-to-device copies (CUDA)
+    streamed_bytes_per_step: int
+    prefill_s: float
+    step_s: list[float]                 # every decode step
+    decode_step_s: float                # their median
+    wait_s: float                       # per step, compute waiting on bytes (median)
+    link_busy: float                    # share of a step with a read (or copy) in flight (median)
+    in_flight_bytes: int                # bytes in transfer at once, on average over a step (median)
+    io_s: float                         # per step, streamed bytes at the measured bandwidth
+    compute_s: float                    # per step, step minus waiting
+    achieved_read_gbps: float | None
+    share_of_bound: float               # bound / step: 1.0 when the step is as short as it can be
+    overlap: float                      # step / bound: 1.0 when I/O and compute overlap perfectly
+    bottleneck: str                     # "disk", "copy", "compute" or "prefetch"
+    verdict: str
+    advice: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens: int, prompt_tokens: int,
+                seed: int = 0) -> Report:
+    """Measures the machine, then generates new_tokens for a batch of random prompts on the timeline."""
+    executor = lm.executor
+    manifest = executor.layout.manifest
+    plan = executor.plan
+    streams_from_disk = plan.home == "nvme" and plan.streamed
+    read_gbps = measure_disk(executor.layout.folder, engine=executor.engine)["read_gbps"] if streams_from_disk else None
+    h2d_gbps = measure_host_to_device(lm.device)
+
+    vocab = lm.model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (batch_size, prompt_tokens), generator=generator)
+    timeline.spans.clear()
+    lm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    lm.executor.slots.drain()  # the last reads ahead land on the timeline too
+    timeline.resolve()
+
+    streamed = sum(manifest.block(name).length for name in plan.streamed)
+    if plan.home == "nvme":
+        transfer_gbps = read_gbps
+    else:
+        transfer_gbps = h2d_gbps if lm.device.type == "cuda" and plan.streamed else None
+    return analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens)
+
+
+def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_gbps, transfer_gbps,
+            batch_size: int, new_tokens: int) -> Report:
+    steps = timeline.on("step")
+    decode = steps[1:] or steps
+    step_s = [s.duration for s in decode]
+    waits = [sum(w.duration for w in within(timeline.on("wait"), s)) for s in decode]
+    transfers = timeline.on("read") + timeline.on("copy")
+    busy = [covered(transfers, s) / s.duration for s in decode]
+    in_flight = [sum(overlap(t, s) * t.args.get("bytes", 0) for t in transfers) / s.duration for s in decode]
+    step, wait = median(step_s), median(waits)
+    io = streamed / (transfer_gbps * 1e9) if transfer_gbps else 0.0
+    compute = max(step - wait, 0.0)
+    bound = max(io, compute)
+    policy = lm.executor.policy
+    report = Report(
+        device=str(lm.device), offload=policy.offload, prefetch_depth=policy.prefetch_depth,
+        batch_size=batch_size, new_tokens=new_tokens, read_gbps=read_gbps, h2d_gbps=h2d_gbps,
+        streamed_bytes_per_step=streamed, prefill_s=round(steps[0].duration, 4), step_s=[round(s, 4) for s in step_s],
+        decode_step_s=round(step, 4), wait_s=round(wait, 4), link_busy=round(median(busy), 3),
+        in_flight_bytes=int(median(in_flight)), io_s=round(io, 4), compute_s=round(compute, 4),
+        achieved_read_gbps=round(streamed / step / 1e9, 3) if streamed and step else None,
+        share_of_bound=round(bound / step, 3) if step else 0.0, overlap=round(step / bound, 3) if bound else 1.0,
+        bottleneck="", verdict="",
+    )
+    engine = lm.executor.engine
+    judge(report, transfer_gbps, lm.executor.plan.home, engine.queue_depth * engine.block_bytes)
+    return report
+
+
+def judge(r: Report, transfer_gbps: float | None, home: str, queue_bytes: int) -> None:
+    """Names what limits the step, in words, and what to change.
+
+    From the timeline, not from bandwidth estimates (a disk's speed varies run to run): compute
+    that hardly waits is the limit; compute that waits while a transfer is always in flight is
+    held up by that link, unless it moves well below its measured speed with less in flight than
+    the engine could keep queued; compute that waits while the link sits idle part of the step is starved by reads that
+    start too late.
+    """
+    link = "disk" if home == "nvme" else "copy"
+    if r.wait_s < WAITING * r.decode_step_s:
+        r.bottleneck = "compute"
+        r.verdict = f"compute-bound: compute takes {r.compute_s:.3f} s of each {r.decode_step_s:.3f} s step"
+        if r.streamed_bytes_per_step:
+            r.verdict += f", waiting {r.wait_s:.3f} s for bytes; streaming hides behind it"
+            r.advice.append("streaming costs next to nothing here: --offload none would save at most the wait")
+        else:
+            r.advice.append("nothing is streamed: only a faster device or a smaller dtype shortens the step")
+        return
+    rate = r.achieved_read_gbps / r.link_busy / transfer_gbps if transfer_gbps and r.achieved_read_gbps and r.link_busy else 1.0
+    too_few = rate < FULL and r.in_flight_bytes < queue_bytes
+    if r.link_busy >= BUSY and not too_few:
+        r.bottleneck = link
+        rate = f" at {r.achieved_read_gbps / transfer_gbps:.0%} of the measured {transfer_gbps:.2f} GB/s" if transfer_gbps else ""
+        r.verdict = f"{link}-bound: {r.streamed_bytes_per_step / 1e9:.2f} GB move per step{rate}"
+        if r.compute_s > 0 and r.io_s > r.compute_s:
+            bigger = int(r.batch_size * r.io_s / r.compute_s)
+            if bigger > r.batch_size:
+                r.verdict += f"; a batch of {bigger} would cost nothing more per step"
+                r.advice.append(f"raise --batch-size towards {bigger}: compute ({r.compute_s:.3f} s) hides under the {link} ({r.io_s:.3f} s) until then")
+        r.advice.append("move fewer bytes: a bf16/fp16 layout instead of fp32, or --offload cpu where host memory holds the model")
+        return
+    r.bottleneck = "prefetch"
+    if r.link_busy >= BUSY:
+        r.verdict = (
+            f"prefetch-starved: compute waits {r.wait_s:.3f} s of each {r.decode_step_s:.3f} s step while too few bytes are "
+            f"in flight ({r.in_flight_bytes / 1e6:.0f} MB on average) to use the {link}: {rate:.0%} of its measured "
+            f"{transfer_gbps:.2f} GB/s"
+        )
+    else:
+        r.verdict = (
+            f"prefetch-starved: compute waits {r.wait_s:.3f} s of each {r.decode_step_s:.3f} s step while the {link} "
+            f"is idle {1 - r.link_busy:.0%} of it: reads start too late"
+        )
+    r.advice.append(f"raise --prefetch-depth to {max(r.prefetch_depth + 1, 2 * r.prefetch_depth)}, so that more blocks are read while one computes")
+
+
+def covered(spans: list[Span], outer: Span) -> float:
+    """Seconds of outer during which at least one of spans runs."""
+    total, reach = 0.0, outer.start
+    for s in sorted(spans, key=lambda s: s.start):
+        start, end = max(s.start, reach), min(s.end, outer.end)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def overlap(span: Span, outer: Span) -> float:
+    return max(min(span.end, outer.end) - max(span.start, outer.start), 0.0)
+
+
+def within(spans: list[Span], outer: Span) -> list[Span]:
+    return [s for s in spans if s.start >= outer.start and s.end <= outer.end]
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
