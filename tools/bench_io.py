@@ -4,7 +4,7 @@
 
 For each block size and queue depth: drop the page cache, run fio (--direct=1, io_uring, the same
 block size and depth), then drop it again before each engine backend reads the whole file as
-64 MiB requests through a ring of four buffers, the way the executor streams blocks. Prints each
+zerolite profile --disk does (zerolite.machine.read_bandwidth: 64 MiB requests, four in flight). Prints each
 bandwidth as "median (best)" of --repeat runs, and its ratio to fio's. Run as root so the caches can be dropped.
 """
 
@@ -17,25 +17,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from zerolite.io import IoEngine, aligned_empty
-
-REQUEST_BYTES = 64 << 20
-RING = 4
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+from zerolite.io import IoEngine
+from zerolite.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth
 
 
 def make_file(path: str, nbytes: int) -> None:
@@ -60,18 +48,7 @@ def fio_gbps(path: str, nbytes: int, block_bytes: int, depth: int) -> float:
 
 def engine_gbps(path: str, nbytes: int, backend: str, block_bytes: int, depth: int) -> float:
     engine = IoEngine(backend, queue_depth=depth, block_bytes=block_bytes)
-    buffers = [aligned_empty(REQUEST_BYTES) for _ in range(RING)]
-    for b in buffers:
-        b.fill_(0)  # fault the pages in now, not inside the timed reads
-    tickets: list[int] = []
-    start = time.perf_counter()
-    for i, offset in enumerate(range(0, nbytes, REQUEST_BYTES)):
-        if len(tickets) == RING:
-            engine.wait(tickets.pop(0))
-        tickets.append(engine.submit(path, buffers[i % RING], offset))
-    for ticket in tickets:
-        engine.wait(ticket)
-    return nbytes / (time.perf_counter() - start) / 1e9
+    return read_bandwidth(Path(path), nbytes, engine)["read_gbps"]
 
 
 def main() -> None:
@@ -90,7 +67,7 @@ def main() -> None:
     nbytes = int(args.size_gib * 2**30) // REQUEST_BYTES * REQUEST_BYTES
     os.makedirs(os.path.dirname(os.path.abspath(args.file)), exist_ok=True)
     make_file(args.file, nbytes)
-    if not drop_caches():
+    if not drop_page_cache():
         console.print("[yellow]cannot drop the page cache (not root): engine reads still bypass it (O_DIRECT)")
 
     backends = args.backends.split(",")
@@ -102,10 +79,10 @@ def main() -> None:
             # Contenders take turns within each repeat, so a drift of the disk hits them alike.
             runs: dict[str, list[float]] = {name: [] for name in ["fio", *backends]}
             for _ in range(args.repeat):
-                drop_caches()
+                drop_page_cache()
                 runs["fio"].append(fio_gbps(args.file, nbytes, block_kib << 10, depth))
                 for backend in backends:
-                    drop_caches()
+                    drop_page_cache()
                     runs[backend].append(engine_gbps(args.file, nbytes, backend, block_kib << 10, depth))
             # The virtual disk here swings by 2x between runs; the best run shows what each can reach.
             reference = statistics.median(runs["fio"])

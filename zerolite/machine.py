@@ -19,9 +19,10 @@ from zerolite.manifest import DATA_FILE, MANIFEST
 REQUEST_BYTES = 64 << 20     # each submit; several in flight, as the executor keeps whole blocks in flight
 REQUESTS_IN_FLIGHT = 4
 SCRATCH_NAME = ".zerolite-disk-probe"
+DISK_READ_BYTES = 4 << 30    # read at most this much of a file: long enough to see past caches and bursts
 
 
-def measure_disk(path: str | os.PathLike, max_bytes: int = 4 << 30, scratch_bytes: int = 2 << 30,
+def measure_disk(path: str | os.PathLike, max_bytes: int = DISK_READ_BYTES, scratch_bytes: int = 2 << 30,
                  engine: IoEngine | None = None) -> dict:
     """Sequential O_DIRECT read bandwidth through the engine, in GB/s (decimal).
 
@@ -52,6 +53,8 @@ def read_bandwidth(file: Path, max_bytes: int, engine: IoEngine) -> dict:
         raise ZeroliteError(f"{file} is empty: measure a bigger file or a folder (a scratch file is written there)")
     request = min(REQUEST_BYTES, total)
     buffers = [aligned_empty(request) for _ in range(REQUESTS_IN_FLIGHT)]
+    for buffer in buffers:
+        buffer.fill_(0)  # fault the pages in now, not inside the timed reads
     in_flight: list[int] = []
     started = time.perf_counter()
     finished = started
@@ -85,14 +88,15 @@ def write_scratch(file: Path, nbytes: int) -> None:
         os.close(fd)
 
 
-def drop_page_cache() -> None:
-    """Where allowed (root), so that files read without O_DIRECT come from the disk too."""
+def drop_page_cache() -> bool:
+    """Where allowed (root), so that files read without O_DIRECT come from the disk too; says whether it was."""
+    os.sync()
     try:
-        os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
+        return True
     except OSError:
-        pass
+        return False
 
 
 def measure_host_to_device(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
