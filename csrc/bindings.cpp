@@ -47,15 +47,18 @@ NB_MODULE(_engine, m) {
       .def(
           "__init__",
           [](IoEngine* self, const std::string& backend, unsigned queue_depth,
-             std::size_t block_bytes, unsigned threads) {
+             std::size_t block_bytes, unsigned threads, const std::string& fault,
+             std::uint64_t fault_at) {
             EngineOptions options;
             options.backend = backend;
             options.queue_depth = queue_depth;
             options.block_bytes = block_bytes;
             options.threads = threads;
+            options.fault = fault;
+            options.fault_at = fault_at;
             new (self) IoEngine(options);
           },
-          "backend"_a, "queue_depth"_a, "block_bytes"_a, "threads"_a)
+          "backend"_a, "queue_depth"_a, "block_bytes"_a, "threads"_a, "fault"_a, "fault_at"_a)
       .def(
           "submit",
           [](IoEngine& engine, const std::string& path, std::uintptr_t dst, std::size_t nbytes,

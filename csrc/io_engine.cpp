@@ -71,6 +71,9 @@ IoEngine::IoEngine(const EngineOptions& options) : options_(options) {
   if (options_.queue_depth == 0 || options_.queue_depth > 4096) {
     throw std::invalid_argument("queue_depth must be between 1 and 4096");
   }
+  if (!options_.fault.empty() && options_.fault != "eio" && options_.fault != "short") {
+    throw std::invalid_argument("fault must be \"eio\" or \"short\"");
+  }
   if (options_.block_bytes == 0 || options_.block_bytes % kAlignment ||
       options_.block_bytes > (1u << 30)) {
     throw std::invalid_argument("block_bytes must be a positive multiple of 4096, at most 1 GiB");
@@ -115,8 +118,13 @@ std::uint64_t IoEngine::submit(const std::string& path, void* dst, std::size_t n
   return ticket;
 }
 
-void IoEngine::on_chunk_done(const Chunk& chunk, const ChunkOutcome& outcome) {
+void IoEngine::on_chunk_done(const Chunk& chunk, ChunkOutcome outcome) {
   ReadRequest& request = *chunk.request;
+  if (!options_.fault.empty() && chunks_completed_.fetch_add(1) + 1 == options_.fault_at) {
+    if (options_.fault == "eio") outcome.error_number = EIO;
+    else outcome.end_of_file = true;
+    outcome.at_offset = chunk.file_offset;
+  }
   if (outcome.error_number || outcome.end_of_file) {
     std::lock_guard<std::mutex> lock(request.error_mutex);
     if (!request.error) {

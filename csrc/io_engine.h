@@ -3,6 +3,7 @@
 // binding file (bindings.cpp) is the only place that knows about either.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -26,6 +27,10 @@ struct EngineOptions {
   unsigned queue_depth = 32;           // reads in flight at once
   std::size_t block_bytes = 1 << 20;   // a request is split into reads of this size
   unsigned threads = 0;                // pread workers; 0 means queue_depth
+  // For tests of the error paths: the fault_at-th chunk read to complete (counting from 1) fails
+  // with EIO ("eio") or ends as if the file did ("short"); "" injects nothing.
+  std::string fault;
+  std::uint64_t fault_at = 0;
 };
 
 class Backend;
@@ -52,13 +57,14 @@ class IoEngine {
   const EngineOptions& options() const { return options_; }
 
  private:
-  void on_chunk_done(const Chunk& chunk, const ChunkOutcome& outcome);
+  void on_chunk_done(const Chunk& chunk, ChunkOutcome outcome);
 
   EngineOptions options_;
   std::mutex mutex_;
   std::condition_variable done_;
   std::unordered_map<std::uint64_t, std::shared_ptr<ReadRequest>> requests_;
   std::uint64_t next_ticket_ = 1;
+  std::atomic<std::uint64_t> chunks_completed_{0};
   std::unique_ptr<Backend> backend_;  // last: its threads stop before the state above goes
 };
 

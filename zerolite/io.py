@@ -20,6 +20,10 @@ ALIGNMENT = 4096
 
 ShortReadError = _engine.ShortReadError
 
+FAULT_VARIABLE = "ZEROLITE_INJECT_IO_FAULT"
+"""For tests of the error paths: "eio@N" makes the Nth chunk read of each engine fail with EIO,
+"short@N" end as if the file did."""
+
 
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
     return -(-nbytes // alignment) * alignment
@@ -55,7 +59,8 @@ class IoEngine:
         block_bytes: int = 1 << 20,
         threads: int = 0,
     ):
-        self._engine = _engine.Engine(backend, queue_depth, block_bytes, threads)
+        fault, _, fault_at = os.environ.get(FAULT_VARIABLE, "").partition("@")
+        self._engine = _engine.Engine(backend, queue_depth, block_bytes, threads, fault, int(fault_at or 0))
         # A tensor must outlive the read into it: hold it until its ticket has been waited for.
         self._destinations: dict[int, torch.Tensor] = {}
 

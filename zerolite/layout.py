@@ -49,6 +49,18 @@ class Layout:
         block = self.manifest.block(name)
         return engine.submit(self.data_path, buffer[: block.length], block.offset)
 
+    def wait(self, engine: IoEngine, ticket: int, timeout_s: float | None = None) -> float:
+        """engine.wait, with a failed read (EIO, the file cut short) as a ZeroliteError naming file and cause."""
+        try:
+            return engine.wait(ticket, timeout_s)
+        except TimeoutError:
+            raise
+        except OSError as e:
+            raise ZeroliteError(
+                f"reading the layout failed: {' '.join(str(e).split())}: check the disk (dmesg), or convert the model "
+                f"again (zerolite convert MODEL --path {self.folder})"
+            ) from e
+
     def read_block(
         self, name: str, engine: IoEngine, buffer: torch.Tensor | None = None, verify: bool = False
     ) -> dict[str, torch.Tensor]:
@@ -56,7 +68,7 @@ class Layout:
         block = self.manifest.block(name)
         if buffer is None:
             buffer = aligned_empty(block.length)
-        engine.wait(self.submit_block(name, engine, buffer))
+        self.wait(engine, self.submit_block(name, engine, buffer))
         if verify:
             self.check(block, buffer)
         return tensor_views(block, buffer)

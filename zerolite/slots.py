@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from zerolite.errors import ZeroliteError
 from zerolite.io import aligned_empty
 from zerolite.store import LayoutStore, MemoryStore
 from zerolite.timeline import NO_TIMELINE
@@ -98,8 +99,13 @@ class Slots:
             return
         for slot in self._slots:
             if slot.ticket is not None:
-                finished = self.store.finished(slot.ticket)
+                try:
+                    finished = self.store.finished(slot.ticket)
+                except ZeroliteError:
+                    slot.ticket = None  # spent: a failed read is waited for too
+                    raise
                 if finished is not None:
+                    slot.ticket = None
                     self._read_done(slot, finished)
                     self._copy(slot)
 
@@ -111,7 +117,7 @@ class Slots:
         """
         slot = self._by_block[name]
         if slot.ticket is not None:
-            self._read_done(slot, self.store.wait(slot.ticket))
+            self._await(slot)
         slot.in_use = True
         if not self.on_cuda:
             return slot.source[: self.store.entry(name).length]
@@ -135,18 +141,28 @@ class Slots:
             slot.computed.record(torch.cuda.current_stream(self.device))
 
     def drain(self) -> None:
-        """Waits for every read in flight: no read may outlive the buffers it fills."""
+        """Waits for every read in flight: no read may outlive the buffers it fills. A read that
+        failed meanwhile is only dropped: nothing will use its bytes, and the error that matters
+        (if any) is the one already on its way up."""
         for slot in self._slots:
             if slot.ticket is not None:
-                self._read_done(slot, self.store.wait(slot.ticket))
+                try:
+                    self._await(slot)
+                except ZeroliteError:
+                    pass
+                self._by_block.pop(slot.block, None)
+                slot.block = None
+
+    def _await(self, slot: Slot) -> None:
+        ticket, slot.ticket = slot.ticket, None  # spent once waited for, whether the read failed or not
+        self._read_done(slot, self.store.wait(ticket))
 
     def _read_done(self, slot: Slot, finished: float) -> None:
         self.timeline.add("read", slot.block, slot.submitted, finished, bytes=self.store.entry(slot.block).length)
-        slot.ticket = None
 
     def _empty(self, slot: Slot) -> None:
         if slot.ticket is not None:  # the engine is still writing into the host buffer
-            self._read_done(slot, self.store.wait(slot.ticket))
+            self._await(slot)
         if slot.copied is not None and slot.source is slot.host:
             slot.copied.synchronize()  # the copy engine is still reading the host buffer
         self._by_block.pop(slot.block, None)

@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import torch
 
+from zerolite.errors import ZeroliteError
 from zerolite.io import IoEngine, aligned_empty
 from zerolite.layout import Layout
 from zerolite.manifest import BlockEntry
 
 
-class LayoutStore:
-    """Blocks at home in a layout, read by the engine on demand with O_DIRECT."""
+READ_TIMEOUT_S = 120.0  # a block read taking longer means a disk that stopped answering, not a slow one
 
-    def __init__(self, layout: Layout, engine: IoEngine):
+
+class LayoutStore:
+    """Blocks at home in a layout, read by the engine on demand with O_DIRECT.
+
+    A failed read (EIO, a file cut short) or one that never finishes becomes a ZeroliteError that
+    names the file and the cause; nothing waits for ever.
+    """
+
+    def __init__(self, layout: Layout, engine: IoEngine, timeout_s: float = READ_TIMEOUT_S):
         self.layout = layout
         self.engine = engine
+        self.timeout_s = timeout_s
         self.bytes_read = 0
 
     def entry(self, name: str) -> BlockEntry:
@@ -34,13 +43,19 @@ class LayoutStore:
     def finished(self, ticket: int) -> float | None:
         """When the read finished (it is then waited for), or None while it runs; never blocks."""
         try:
-            return self.engine.wait(ticket, timeout_s=0.0)
+            return self.layout.wait(self.engine, ticket, timeout_s=0.0)
         except TimeoutError:
             return None
 
     def wait(self, ticket: int) -> float:
         """Blocks until the read is done; returns when it finished (perf_counter clock)."""
-        return self.engine.wait(ticket)
+        try:
+            return self.layout.wait(self.engine, ticket, timeout_s=self.timeout_s)
+        except TimeoutError:
+            raise ZeroliteError(
+                f"reading {self.layout.data_path} has not finished after {self.timeout_s:.0f} s: the disk stopped "
+                "answering; check it (dmesg) and run again"
+            ) from None
 
 
 class MemoryStore:
@@ -60,7 +75,7 @@ class MemoryStore:
             buffers[name] = aligned_empty(entry.length, pin=pin)
             tickets.append((entry, layout.submit_block(name, engine, buffers[name])))
         for entry, ticket in tickets:
-            engine.wait(ticket)
+            layout.wait(engine, ticket)
             if progress is not None:
                 progress.advance(entry.length)
         return cls(layout, buffers)
