@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated
 
@@ -114,6 +115,7 @@ def generate(
     import zerolite
     from zerolite.convert import write_atomically
     from zerolite.generate import Sampling, generate_all
+    from zerolite.outputs import CompletionLog
     from zerolite.prompts import prompts_from_arguments, read_prompts
 
     if prompts and input_file is not None:
@@ -128,20 +130,22 @@ def generate(
     todo = read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
     sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
 
-    lm = zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
-                       prefetch_depth=prefetch_depth)
-    finished = []
+    with ExitStack() as stack:
+        log = stack.enter_context(CompletionLog.open(output)) if output is not None else None
+        if log is not None and all(p.id in log.done for p in todo):
+            stderr.print(f"every prompt already has its completion in {output}: nothing to do")
+            return
+        lm = stack.enter_context(zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype,
+                                               allow_pickle=allow_pickle, prefetch_depth=prefetch_depth))
 
-    def show(batch) -> None:
-        finished.extend(batch)
-        if output is None:
+        def show(batch) -> None:
+            if log is not None:
+                log.append(batch)
+                return
             for c in batch:
                 typer.echo(((c.prompt or "") + c.completion if not chat else c.completion) if c.completion is not None else json.dumps(c.token_ids))
 
-    with lm:
-        stats = generate_all(lm, todo, sampling, batch_size, show)
-    if output is not None:
-        write_atomically(output, "".join(c.to_json() + "\n" for c in finished))
+        stats = generate_all(lm, todo, sampling, batch_size, show, done=log.done if log is not None else frozenset())
     if stats_json is not None:
         write_atomically(stats_json, json.dumps(stats.to_dict(), indent=2) + "\n")
     summary = stats.to_dict()

@@ -108,8 +108,13 @@ def generate_all(
     batch_size: int,
     on_batch: Callable[[list[Completion]], None],
     show_progress: bool = True,
+    done: set = frozenset(),
 ) -> RunStats:
-    """Generates for every prompt, batch after batch, handing each batch's completions to on_batch."""
+    """Generates for every prompt, batch after batch, handing each batch's completions to on_batch.
+
+    Batches are cut from the whole list by position, so that a batch always holds the same prompts
+    (and so gives the same tokens); those whose ids are all in done (a resumed run) are skipped.
+    """
     if batch_size < 1:
         raise ZeroliteError(f"--batch-size must be at least 1, got {batch_size}")
     encoded = encode(lm, prompts, sampling.chat)
@@ -118,7 +123,9 @@ def generate_all(
     stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
     bytes_before = lm.bytes_read
     batches = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
-    with token_progress("generating", len(prompts) * sampling.max_new_tokens, enabled=show_progress) as progress:
+    batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
+    rows_to_run = sum(len(rows) for rows in batches)
+    with token_progress("generating", rows_to_run * sampling.max_new_tokens, enabled=show_progress) as progress:
         for number, rows in enumerate(batches, start=1):
             progress.note(f"batch {number}/{len(batches)}")
             input_ids, attention_mask = left_pad([encoded[i] for i in rows], config.pad_token_id)
