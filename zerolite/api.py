@@ -8,19 +8,21 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from zerolite.checkpoint import quiet_transformers
-from zerolite.convert import choose_dtype
+from zerolite.convert import JOURNAL, choose_dtype
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
 from zerolite.layout import Layout
 from zerolite.manifest import DTYPES, MANIFEST
 from zerolite.plan import Plan
 from zerolite.policy import Policy, default_layout_path
+from zerolite.preflight import preflight
 from zerolite.progress import byte_progress
 from zerolite.timeline import NO_TIMELINE, Timeline
 
@@ -102,7 +104,10 @@ def load(
             f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
             f"convert into another --path with --dtype {dtype}"
         )
-    loaded = [layout.manifest.block(name) for name in Plan.make(layout.manifest, policy).loaded]
+    plan = Plan.make(layout.manifest, policy)
+    for warning in preflight(layout, plan, policy):
+        print(f"zerolite: warning: {warning}", file=sys.stderr)
+    loaded = [layout.manifest.block(name) for name in plan.loaded]
     with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
         executor = Executor(layout, policy, progress, timeline or NO_TIMELINE)
     tokenizer = load_tokenizer(layout_folder)
@@ -113,6 +118,10 @@ def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool) -
     """The layout folder to run from: model itself if it is one, else model converted (once)."""
     if model is not None and (Path(model).expanduser() / MANIFEST).is_file():
         return Path(model).expanduser()
+    if model is not None and (Path(model).expanduser() / JOURNAL).is_file():
+        raise ZeroliteError(
+            f"the conversion into {model} did not finish: run zerolite convert MODEL --path {model} again to complete it"
+        )
     from zerolite.convert import convert
     from zerolite.gguf_source import builtin_gguf
 
