@@ -1,0 +1,142 @@
+"""Nothing lost: outputs survive SIGKILL and resume, one writer at a time, I/O faults end cleanly."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cli_runner import assert_one_line_error, run
+from tiny_models import save_tiny_model
+from zerolite.convert import convert
+
+PROMPTS = 24
+BATCH = 3
+NEW_TOKENS = 12
+ZEROLITE = shutil.which("zerolite", path=os.path.dirname(sys.executable)) or "zerolite"
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("crash")
+    source = save_tiny_model("llama", folder / "source", layers=6)
+    convert(source, folder / "layout", show_progress=False)
+    return folder / "layout"
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    rng = random.Random(1)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(
+        json.dumps({"id": f"q{i}", "input_ids": [rng.randrange(3, 128) for _ in range(rng.randrange(2, 9))]}) + "\n"
+        for i in range(PROMPTS)
+    ))
+    return path
+
+
+def generate_args(layout, prompts, output) -> list[str]:
+    return [ZEROLITE, "generate", "--model", str(layout), "--device", "cpu", "--input", str(prompts), "--output", str(output),
+            "--batch-size", str(BATCH), "--max-new-tokens", str(NEW_TOKENS)]
+
+
+def lines_by_id(output) -> dict:
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)), "an id appears twice"
+    return {r["id"]: r for r in records}
+
+
+def test_sigkill_at_random_moments_then_rerun_loses_and_repeats_nothing(tmp_path, layout, prompts):
+    reference = tmp_path / "reference.jsonl"
+    subprocess.run(generate_args(layout, prompts, reference), check=True, capture_output=True)
+    expected = lines_by_id(reference)
+    assert len(expected) == PROMPTS
+
+    output = tmp_path / "out.jsonl"
+    rng = random.Random(7)
+    kills = 0
+    for _ in range(6):
+        process = subprocess.Popen(generate_args(layout, prompts, output), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(1.5, 5.0))  # inside start-up, or somewhere among the batches
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            kills += 1
+        process.wait()
+        if output.exists():
+            assert output.read_bytes().count(b"\n") <= PROMPTS
+    subprocess.run(generate_args(layout, prompts, output), check=True, capture_output=True)
+    assert kills >= 3, "the runs finished before they could be killed: the test proves nothing"
+    assert lines_by_id(output) == expected
+    assert output.read_text().endswith("\n")
+
+
+def test_a_torn_last_line_is_redone(tmp_path, layout, prompts):
+    output = tmp_path / "out.jsonl"
+    subprocess.run(generate_args(layout, prompts, output), check=True, capture_output=True)
+    whole = output.read_bytes()
+    output.write_bytes(whole[: len(whole) - 40])  # a crash in the middle of the last write
+    subprocess.run(generate_args(layout, prompts, output), check=True, capture_output=True)
+    assert output.read_bytes() == whole
+
+
+def test_a_second_writer_of_the_same_output_is_refused(capsys, monkeypatch, tmp_path, layout, prompts):
+    output = tmp_path / "out.jsonl"
+    with open(output, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running zerolite holds it
+        result = run(capsys, monkeypatch, *generate_args(layout, prompts, output)[1:])
+    assert_one_line_error(result, "another zerolite is writing --output")
+    assert output.read_bytes() == b""
+
+
+def test_an_output_that_is_some_other_file_is_left_alone(capsys, monkeypatch, tmp_path, layout, prompts):
+    output = tmp_path / "notes.txt"
+    output.write_text("my notes\n")
+    result = run(capsys, monkeypatch, *generate_args(layout, prompts, output)[1:])
+    assert_one_line_error(result, "is not a zerolite completion", "choose another --output")
+    assert output.read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize(("fault", "cause"), [("eio@3", "Input/output error"), ("short@3", "short read"),
+                                               ("eio@400", "Input/output error"), ("short@400", "short read")])
+def test_io_faults_inside_the_engine_end_in_one_clear_line(tmp_path, layout, prompts, fault, cause):
+    """@3: while loading the resident blocks; @400: while streaming layers."""
+    env = dict(os.environ, ZEROLITE_INJECT_IO_FAULT=fault)
+    output = tmp_path / "out.jsonl"
+    done = subprocess.run(generate_args(layout, prompts, output), capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert cause in done.stderr and "weights.bin" in done.stderr and "convert the model again" in done.stderr
+    for line in output.read_text().splitlines():  # whatever was written is whole
+        json.loads(line)
+
+
+def test_a_file_system_filling_up_during_convert(capsys, monkeypatch, tmp_path, layout):
+    """A size-limited tmpfs that the free-space estimate wrongly passes (as on a disk another
+    program is filling): allocating the data file hits ENOSPC; the error is clear, no manifest is
+    written, and once there is room the convert completes."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        source = layout.parent / "source"
+        with monkeypatch.context() as patch:
+            real_usage = shutil.disk_usage
+            patch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=1 << 40))
+            result = run(capsys, monkeypatch, "convert", source, "--path", mount / "layout")
+        assert_one_line_error(result, "ran out of space")
+        assert not (mount / "layout" / "manifest.json").exists()
+        subprocess.run(["mount", "-o", "remount,size=128m", str(mount)], check=True)
+        subprocess.run([ZEROLITE, "convert", str(source), "--path", str(mount / "layout")], check=True, capture_output=True)
+        assert (mount / "layout" / "manifest.json").exists()
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
