@@ -127,7 +127,10 @@ void IoEngine::on_chunk_done(const Chunk& chunk, ChunkOutcome outcome) {
   }
   if (outcome.error_number || outcome.end_of_file) {
     std::lock_guard<std::mutex> lock(request.error_mutex);
-    if (!request.error) {
+    // Chunks finish in any order: report the failure nearest the start (where a file ends,
+    // every later chunk fails too, at its own offset).
+    if (!request.error || outcome.at_offset < request.error_at) {
+      request.error_at = outcome.at_offset;
       if (outcome.end_of_file) {
         // No errno means "the file ended"; ENODATA ("no data available") is the closest.
         request.error = std::make_exception_ptr(ShortReadError(

@@ -42,9 +42,10 @@ struct ReadRequest {
   bool done = false;      // guarded by the engine's mutex
   double finished_s = 0;  // CLOCK_MONOTONIC seconds when the last chunk landed (Python's perf_counter clock)
 
-  // The first failure wins; later chunks of the same request may fail for the same cause.
+  // The failure nearest the start of the request is reported; later chunks often fail for the same cause.
   std::mutex error_mutex;
   std::exception_ptr error;  // an IoError or ShortReadError
+  std::uint64_t error_at = 0;  // the file offset the error names
 };
 
 struct Chunk {
