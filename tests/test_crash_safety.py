@@ -140,3 +140,29 @@ def test_a_file_system_filling_up_during_convert(capsys, monkeypatch, tmp_path, 
         assert (mount / "layout" / "manifest.json").exists()
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("block", ["embed", "layers.4"])
+def test_a_layout_altered_after_convert_is_caught_before_its_bytes_are_used(capsys, monkeypatch, tmp_path, layout, prompts,
+                                                                           block):
+    """Resident blocks are checked as they load, streamed ones the first time they are read."""
+    from zerolite.layout import Layout
+
+    altered = tmp_path / "altered"
+    shutil.copytree(layout, altered)
+    offset = Layout.open(altered).manifest.block(block).offset + 100
+    with open(altered / "weights.bin", "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    result = run(capsys, monkeypatch, *generate_args(altered, prompts, tmp_path / "out.jsonl")[1:])
+    assert_one_line_error(result, f"block {block}", "fails its checksum", "weights.bin", "convert the model again")
+
+
+def test_a_layout_truncated_after_convert(capsys, monkeypatch, tmp_path, layout):
+    truncated = tmp_path / "truncated"
+    shutil.copytree(layout, truncated)
+    os.truncate(truncated / "weights.bin", (truncated / "weights.bin").stat().st_size // 2)
+    result = run(capsys, monkeypatch, "generate", "hi", "--model", truncated, "--device", "cpu")
+    assert_one_line_error(result, "is damaged", "weights.bin", "convert the model again")

@@ -68,7 +68,7 @@ class MemoryStore:
 
     @classmethod
     def load(cls, layout: Layout, engine: IoEngine, names: list[str], pin: bool, progress=None) -> MemoryStore:
-        """Reads the named blocks, many in flight at once."""
+        """Reads the named blocks, many in flight at once, and checks each against its checksum."""
         buffers, tickets = {}, []
         for name in names:
             entry = layout.manifest.block(name)
@@ -76,6 +76,7 @@ class MemoryStore:
             tickets.append((entry, layout.submit_block(name, engine, buffers[name])))
         for entry, ticket in tickets:
             layout.wait(engine, ticket)
+            layout.check(entry, buffers[entry.name])
             if progress is not None:
                 progress.advance(entry.length)
         return cls(layout, buffers)
