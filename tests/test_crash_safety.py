@@ -166,3 +166,13 @@ def test_a_layout_truncated_after_convert(capsys, monkeypatch, tmp_path, layout)
     os.truncate(truncated / "weights.bin", (truncated / "weights.bin").stat().st_size // 2)
     result = run(capsys, monkeypatch, "generate", "hi", "--model", truncated, "--device", "cpu")
     assert_one_line_error(result, "is damaged", "weights.bin", "convert the model again")
+
+
+def test_a_second_convert_into_the_same_layout_is_refused(capsys, monkeypatch, tmp_path, layout):
+    target = tmp_path / "layout"
+    target.mkdir()
+    with open(target / ".zerolite.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running convert holds it
+        result = run(capsys, monkeypatch, "convert", layout.parent / "source", "--path", target)
+    assert_one_line_error(result, "another zerolite is converting into", "choose another --path")
+    assert not (target / "weights.bin").exists()

@@ -57,7 +57,7 @@ def preflight(layout: Layout, plan: Plan, policy: Policy) -> list[str]:
 
     if plan.home == "nvme" and plan.streamed and not supports_direct_io(layout.data_path):
         warnings.append(
-            f"{layout.folder} is on a file system without O_DIRECT (tmpfs?): reading through the page cache, "
+            f"{layout.folder} is on a file system without O_DIRECT (older tmpfs, some network file systems): reading through the page cache, "
             "which costs host memory and bandwidth"
         )
     return warnings
