@@ -109,7 +109,7 @@ def load(
         print(f"zerolite: warning: {warning}", file=sys.stderr)
     loaded = [layout.manifest.block(name) for name in plan.loaded]
     with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
-        executor = Executor(layout, policy, progress, timeline or NO_TIMELINE)
+        executor = Executor(layout, policy, plan, progress, timeline or NO_TIMELINE)
     tokenizer = load_tokenizer(layout_folder)
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s)
 

@@ -31,8 +31,8 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 class Executor:
-    def __init__(self, layout: Layout, policy: Policy, progress=None, timeline=NO_TIMELINE):
-        """Builds the model and makes it ready to run: resident blocks read and bound, hooks set.
+    def __init__(self, layout: Layout, policy: Policy, plan: Plan, progress=None, timeline=NO_TIMELINE):
+        """Builds the model and makes it ready to run the plan: resident blocks read and bound, hooks set.
 
         progress (a ByteProgress) is advanced by the bytes read while loading; timeline (a
         Timeline) records reads, copies, waits, compute and steps while the model runs.
@@ -42,7 +42,7 @@ class Executor:
         self.policy = policy
         self.timeline = timeline
         self.device = policy.torch_device
-        self.plan = Plan.make(manifest, policy)
+        self.plan = plan
         self.model = build_model(layout, self.device)
         self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_block_bytes)
         self._bindings = {block.name: BlockBinding(self.model, block, manifest.aliases) for block in manifest.blocks}

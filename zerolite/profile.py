@@ -68,7 +68,7 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     timeline.spans.clear()
     lm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    lm.executor.slots.drain()  # the last reads ahead land on the timeline too
+    executor.slots.drain()  # the last reads ahead land on the timeline too
     timeline.resolve()
     # Measured after the run, not before: reading the whole layout first changes how fast this
     # machine's virtual disk then serves the run (steps up to 2x slower here).

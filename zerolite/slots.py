@@ -17,9 +17,8 @@ Slots never decide which block comes next; the executor does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -62,9 +61,6 @@ class Slots:
         self._by_block: dict[str, Slot] = {}
         self._verified: set[str] = set()
         self._starts = 0
-
-    def holds(self, name: str) -> bool:
-        return name in self._by_block
 
     def want(self, names: list[str]) -> None:
         """Makes sure these blocks are here or on their way, refilling slots that hold none of them
@@ -126,12 +122,6 @@ class Slots:
             self._copy(slot)
         torch.cuda.current_stream(self.device).wait_event(slot.copied)
         return slot.device[: self.store.entry(name).length]
-
-    def release_all(self) -> None:
-        """After a forward that failed half-way: no block is running any more."""
-        for slot in self._slots:
-            if slot.in_use:
-                self.release(slot.block)
 
     def release(self, name: str) -> None:
         """Compute is done with the block (on CUDA: once the work queued so far has run)."""

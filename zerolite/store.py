@@ -81,10 +81,6 @@ class MemoryStore:
                 progress.advance(entry.length)
         return cls(layout, buffers)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self._buffers.values())
-
     def entry(self, name: str) -> BlockEntry:
         return self.layout.manifest.block(name)
 
