@@ -23,18 +23,12 @@ from rich.console import Console
 from rich.table import Table
 
 from zerolite.io import IoEngine
-from zerolite.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth
+from zerolite.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth, write_scratch
 
 
 def make_file(path: str, nbytes: int) -> None:
-    if os.path.exists(path) and os.path.getsize(path) == nbytes:
-        return
-    chunk = os.urandom(REQUEST_BYTES)
-    with open(path, "wb") as f:
-        for _ in range(nbytes // REQUEST_BYTES):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
+    if not (os.path.exists(path) and os.path.getsize(path) == nbytes):
+        write_scratch(Path(path), nbytes)
 
 
 def fio_gbps(path: str, nbytes: int, block_bytes: int, depth: int) -> float:

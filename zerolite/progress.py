@@ -36,14 +36,19 @@ class ByteProgress:
 
 
 @contextmanager
-def byte_progress(description: str, total_bytes: int, total_items: int, enabled: bool = True) -> Iterator[ByteProgress]:
-    """A bar showing blocks done, bytes done, speed and time left (GB/s, decimal units).
-
-    Only on a terminal: piped into a log, stderr carries just the messages that matter.
-    """
+def terminal_bar(columns, description: str, total: int, enabled: bool, **fields):
+    """(progress, task) of a rich bar on stderr, or (None, None) when disabled or not on a terminal:
+    piped into a log, stderr carries just the messages that matter."""
     if not (enabled and stderr.is_terminal):
-        yield ByteProgress(None, None)
+        yield None, None
         return
+    with Progress(*columns, console=stderr, transient=False) as progress:
+        yield progress, progress.add_task(description, total=total, **fields)
+
+
+@contextmanager
+def byte_progress(description: str, total_bytes: int, total_items: int, enabled: bool = True) -> Iterator[ByteProgress]:
+    """A bar showing blocks done, bytes done, speed and time left (GB/s, decimal units)."""
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -52,9 +57,8 @@ def byte_progress(description: str, total_bytes: int, total_items: int, enabled:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=stderr, transient=False) as progress:
-        task = progress.add_task(description, total=total_bytes, blocks=0, total_blocks=total_items)
-        yield ByteProgress(progress, task)
+    with terminal_bar(columns, description, total_bytes, enabled, blocks=0, total_blocks=total_items) as bar:
+        yield ByteProgress(*bar)
 
 
 class TokenRateColumn(ProgressColumn):
@@ -83,10 +87,7 @@ class TokenProgress:
 
 @contextmanager
 def token_progress(description: str, total_tokens: int, enabled: bool = True) -> Iterator[TokenProgress]:
-    """A bar of tokens generated with live tokens/s, on a terminal only (like byte_progress)."""
-    if not (enabled and stderr.is_terminal):
-        yield TokenProgress(None, None)
-        return
+    """A bar of tokens generated with live tokens/s."""
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -96,6 +97,5 @@ def token_progress(description: str, total_tokens: int, enabled: bool = True) ->
         TimeElapsedColumn(),
         TextColumn("{task.fields[note]}"),
     )
-    with Progress(*columns, console=stderr, transient=False) as progress:
-        task = progress.add_task(description, total=total_tokens, note="")
-        yield TokenProgress(progress, task)
+    with terminal_bar(columns, description, total_tokens, enabled, note="") as bar:
+        yield TokenProgress(*bar)
