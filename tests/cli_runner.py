@@ -21,9 +21,15 @@ def run(capsys, monkeypatch, *args: str) -> Result:
     return Result(exit_info.value.code, out, err)
 
 
-def assert_one_line_error(result: Result, *fragments: str) -> None:
+PLAN_LINES = ("plan: ", "K/V cache: ", "bound: ", "batch size: ")
+
+
+def assert_one_line_error(result: Result, *fragments: str, after_plan: bool = False) -> None:
+    """after_plan: the error struck once the run had started, so the plan printed before it may precede it."""
     assert result.code not in (0, None), result
     lines = result.stderr.strip().splitlines()
+    if after_plan:
+        lines = [line for line in lines if not line.startswith(PLAN_LINES)]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("zerolite: error: ")
     assert "Traceback" not in result.stderr

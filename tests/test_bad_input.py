@@ -73,7 +73,7 @@ def test_generate_from_an_interrupted_conversion(capsys, monkeypatch, tmp_path, 
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["--batch-size", "abc"], ("--batch-size", "valid integer")),
+        (["--batch-size", "abc"], ("--batch-size", "not a number", "auto")),
         (["--temperature", "hot", "--sample"], ("--temperature", "valid number")),
         (["--max-new-tokens", "-5"], ("--max-new-tokens", "greater than or equal to 1")),
         (["--top-k", "-1", "--sample"], ("--top-k",)),

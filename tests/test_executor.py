@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 import zerolite
 from tiny_models import save_tiny_model
 from zerolite.convert import convert
+from zerolite.layout import Layout
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 LAYERS = 6  # more than the deepest ring tested, so slots are refilled and reads wrap around
@@ -20,6 +21,20 @@ SINGLE = [[5, 17, 33, 9]]
 BATCH = [[5, 17, 33, 9, 44, 61, 70], [12, 90], [101, 3, 7, 55]]
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Where the weights and the K/V cache live. "nvme" streams every layer from disk (--cpu-memory 0);
+# "tiers" keeps half the layers in host memory and streams the other half; "kv" variants keep that
+# share of the layers' K/V in host memory while every layer streams.
+SETUPS = {
+    "nvme": dict(offload="nvme", cpu_memory=0),
+    "cpu": dict(offload="cpu"),
+    "none": dict(offload="none"),
+}
+MORE_SETUPS = {
+    "tiers": dict(offload="nvme", cpu_memory="half"),
+    "kv-0.5": dict(offload="nvme", cpu_memory=0, kv_offload=0.5),
+    "kv-1.0": dict(offload="nvme", cpu_memory=0, kv_offload=1.0),
+}
 
 
 def left_padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -66,9 +81,17 @@ def assert_same_generation(expected, got) -> None:
         assert torch.allclose(e, g, rtol=0, atol=1e-5), f"step {step}: logits differ by {(e - g).abs().max()}"
 
 
-def check_equal(tiny, offload: str, depth: int, device: str) -> None:
+def half_the_layers(layout, budget: str) -> int:
+    """A --cpu-memory (or --gpu-memory: the embeddings and head come first there) holding half the layers."""
+    blocks = Layout.open(layout).manifest.blocks
+    always = sum(b.length for b in blocks if not b.name.startswith("layers.")) if budget == "gpu_memory" else 0
+    return always + sum(b.length for b in blocks if b.name.startswith("layers.")) // 2
+
+
+def check_equal(tiny, setup: dict, depth: int, device: str) -> None:
     layout, reference = tiny
-    with zerolite.load(layout, offload=offload, device=device, prefetch_depth=depth, show_progress=False) as lm:
+    setup = {key: half_the_layers(layout, key) if value == "half" else value for key, value in setup.items()}
+    with zerolite.load(layout, device=device, prefetch_depth=depth, show_progress=False, **setup) as lm:
         for expected, rows in zip(reference(device), (SINGLE, BATCH)):
             assert_same_generation(expected, greedy(lm, rows, device))
 
@@ -83,22 +106,35 @@ def test_the_tiny_models_do_not_repeat_one_token(tiny):
 
 
 @pytest.mark.parametrize("depth", [1, 2, 4])
-@pytest.mark.parametrize("offload", ["nvme", "cpu", "none"])
-def test_cpu_generation_equals_transformers(tiny, offload, depth):
-    check_equal(tiny, offload, depth, "cpu")
+@pytest.mark.parametrize("setup", SETUPS)
+def test_cpu_generation_equals_transformers(tiny, setup, depth):
+    check_equal(tiny, SETUPS[setup], depth, "cpu")
+
+
+@pytest.mark.parametrize("setup", MORE_SETUPS)
+def test_cpu_generation_with_tiers_and_kv_offload_equals_transformers(tiny, setup):
+    check_equal(tiny, MORE_SETUPS[setup], 2, "cpu")
 
 
 @pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize("depth", [1, 2, 4])
-@pytest.mark.parametrize("offload", ["nvme", "cpu", "none"])
-def test_cuda_generation_equals_transformers(tiny, offload, depth):
-    check_equal(tiny, offload, depth, "cuda")
+@pytest.mark.parametrize("setup", SETUPS)
+def test_cuda_generation_equals_transformers(tiny, setup, depth):
+    check_equal(tiny, SETUPS[setup], depth, "cuda")
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("setup", [*MORE_SETUPS, "gpu-half"])
+def test_cuda_generation_with_tiers_and_kv_offload_equals_transformers(tiny, setup):
+    """gpu-half: half the layers resident on the GPU, the other half streamed from disk."""
+    check_equal(tiny, MORE_SETUPS.get(setup, dict(offload="nvme", cpu_memory=0, gpu_memory="half")), 2, "cuda")
 
 
 def test_streaming_reads_every_layer_each_forward_and_nothing_when_resident(tiny):
     layout, _ = tiny
-    with zerolite.load(layout, offload="nvme", device="cpu", prefetch_depth=1, show_progress=False) as lm:
+    with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=1, show_progress=False) as lm:
         layer_bytes = sum(b.length for b in lm.executor.layout.blocks if b.name.startswith("layers."))
         forwards = greedy(lm, SINGLE, "cpu").sequences.shape[1] - len(SINGLE[0])  # fewer on an end token
         assert lm.bytes_read == forwards * layer_bytes
@@ -110,7 +146,7 @@ def test_streaming_reads_every_layer_each_forward_and_nothing_when_resident(tiny
 
 def test_a_failed_forward_leaves_the_model_usable(tiny):
     layout, reference = tiny
-    with zerolite.load(layout, offload="nvme", device="cpu", show_progress=False) as lm:
+    with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", show_progress=False) as lm:
         with pytest.raises(IndexError):
             lm.generate(input_ids=torch.tensor([[10_000]]), max_new_tokens=2)  # past the vocabulary
         assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))

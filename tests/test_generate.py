@@ -54,7 +54,7 @@ def transformers_tokens(source, batch: list[list[int]]) -> list[list[int]]:
 def test_jsonl_in_and_out_match_transformers_batch_by_batch(capsys, monkeypatch, tmp_path, source):
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(PROMPTS)])
     result = run(capsys, monkeypatch, "generate", "--model", source, "--path", tmp_path / "layout", "--device", "cpu",
-                 "--input", prompts, "--output", tmp_path / "out.jsonl", "--batch-size", "2",
+                 "--input", prompts, "--output", tmp_path / "out.jsonl", "--batch-size", "2", "--cpu-memory", "0",
                  "--max-new-tokens", str(NEW_TOKENS), "--stats-json", tmp_path / "stats.json")
     assert result.code == 0, result.stderr
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -148,7 +148,7 @@ def test_bad_prompts_file(capsys, monkeypatch, tmp_path, layout, content, fragme
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["hi", "--batch-size", "0"], ("--batch-size", "greater than or equal to 1")),
+        (["hi", "--batch-size", "0"], ("--batch-size", "at least 1")),
         (["hi", "--max-new-tokens", "0"], ("--max-new-tokens", "greater than or equal to 1")),
         (["hi", "--prefetch-depth", "0"], ("--prefetch-depth", "greater than or equal to 1")),
         (["hi", "--offload", "disk"], ("unknown --offload", "nvme")),

@@ -30,7 +30,7 @@ MEASURE = textwrap.dedent(
                 return int(line.split()[1]) * 1024
 
     def run(layout):
-        with zerolite.load(layout, offload="nvme", device="cpu", prefetch_depth=int(sys.argv[3]), show_progress=False) as lm:
+        with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=int(sys.argv[3]), show_progress=False) as lm:
             out = lm.generate(input_ids=torch.tensor([json.loads(sys.argv[4])]), max_new_tokens=int(sys.argv[5]),
                               do_sample=False, return_dict_in_generate=True)
             return sum(layer.keys.nbytes + layer.values.nbytes for layer in out.past_key_values.layers)

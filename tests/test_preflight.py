@@ -29,7 +29,7 @@ def test_a_file_system_without_o_direct_gets_one_warning_and_still_runs(capfd, m
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(preflight.os, "open", open_without_direct)
-    with zerolite.load(tmp_path / "layout", offload="nvme", device="cpu", show_progress=False) as lm:
+    with zerolite.load(tmp_path / "layout", offload="nvme", cpu_memory=0, device="cpu", show_progress=False) as lm:
         out = lm.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("zerolite: warning:")]
     assert len(warnings) == 1 and "without O_DIRECT" in warnings[0]
@@ -39,7 +39,7 @@ def test_a_file_system_without_o_direct_gets_one_warning_and_still_runs(capfd, m
 def test_a_plan_that_needs_more_memory_than_is_free_stops_before_loading(capsys, monkeypatch, tmp_path):
     source = save_tiny_model("llama", tmp_path / "source")
     convert(source, tmp_path / "layout", show_progress=False)
-    memory = namedtuple("memory", "available")
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=1000))
+    memory = namedtuple("memory", "available total")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=1000, total=2000))
     result = run(capsys, monkeypatch, "generate", "hi", "--model", tmp_path / "layout", "--device", "cpu", "--offload", "cpu")
     assert_one_line_error(result, "in host memory", "is available", "--offload nvme")

@@ -31,7 +31,7 @@ def layout(tmp_path_factory):
 
 def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5):
     timeline = Timeline()
-    with zerolite.load(layout, offload=offload, device="cpu", prefetch_depth=depth, timeline=timeline,
+    with zerolite.load(layout, offload=offload, device="cpu", prefetch_depth=depth, timeline=timeline, cpu_memory=0,
                        show_progress=False) as lm:
         return profile_run(lm, timeline, batch, new_tokens, prompt_tokens=8), timeline
 
@@ -39,7 +39,7 @@ def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5):
 def test_trace_shows_the_next_read_overlapping_compute_from_depth_2(capsys, monkeypatch, tmp_path, layout):
     for depth in (1, 2, 4):
         trace_file = tmp_path / f"trace-{depth}.json"
-        result = run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", "--prefetch-depth", str(depth),
+        result = run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", "--cpu-memory", "0", "--prefetch-depth", str(depth),
                      "--new-tokens", "4", "--json", "--trace", trace_file)
         assert result.code == 0, result.stderr
         trace = json.loads(trace_file.read_text())

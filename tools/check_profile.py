@@ -60,10 +60,11 @@ def main() -> None:
     parser.add_argument("--offload", default="nvme")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prefetch-depth", default="4")
+    parser.add_argument("--cpu-memory", default="0", help="layers kept in host memory (0: every layer streams)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=15, help="pairs: this virtual disk swings 1-4 GB/s run to run")
     args = parser.parse_args()
     console = Console()
     if not shutil.which("fio"):
@@ -73,7 +74,8 @@ def main() -> None:
     make_file(args.file, nbytes)
     read_bytes = min(nbytes, DISK_READ_BYTES)  # fio reads what profile --disk reads
     runs: dict[str, list[float]] = {"fio": [], "profile --disk": [], "generate": [], "profile": []}
-    settings = ["--offload", args.offload, "--device", args.device, "--prefetch-depth", args.prefetch_depth]
+    settings = ["--offload", args.offload, "--device", args.device, "--prefetch-depth", args.prefetch_depth,
+                "--cpu-memory", args.cpu_memory]
     config = json.loads((Path(args.layout) / "config.json").read_text())
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     for _ in range(args.repeat):

@@ -14,14 +14,16 @@ from pathlib import Path
 
 import torch
 
+from zerolite.budget import Budgets
 from zerolite.checkpoint import quiet_transformers
 from zerolite.convert import JOURNAL, choose_dtype
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
+from zerolite.kv_cache import PartialOffloadCache
 from zerolite.layout import Layout
 from zerolite.manifest import DTYPES, MANIFEST
 from zerolite.plan import Plan
-from zerolite.policy import Policy, default_layout_path
+from zerolite.policy import Policy, default_layout_path, parse_size
 from zerolite.preflight import preflight
 from zerolite.progress import byte_progress
 from zerolite.timeline import NO_TIMELINE, Timeline
@@ -53,10 +55,18 @@ class OffloadedLM:
     def bytes_read(self) -> int:
         return self.executor.bytes_read
 
+    @property
+    def plan(self) -> Plan:
+        return self.executor.plan
+
     def generate(self, *args, **kwargs):
-        """transformers' generate, with tensor arguments moved to the model's device."""
+        """transformers' generate, with tensor arguments moved to the model's device and, with
+        kv_offload set, a cache that keeps that fraction of the layers' K/V in host memory."""
         args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        fraction = self.executor.policy.kv_offload
+        if fraction > 0 and kwargs.get("past_key_values") is None:
+            kwargs["past_key_values"] = PartialOffloadCache(self.model.config, fraction, self.device)
         try:
             return self.model.generate(*args, **kwargs)
         except BaseException:
@@ -89,9 +99,13 @@ def load(
     model: a zerolite layout folder, or a checkpoint (model folder, .gguf file, hub id in the local
     cache), converted first into path (default: zerolite's cache) and reused on later loads.
     None means the built-in SmolLM2-135M-Instruct. timeline, if given, records what the executor
-    does (zerolite profile). The remaining keywords are Policy fields (prefetch_depth, io_backend, ...).
+    does (zerolite profile). The remaining keywords are Policy fields (prefetch_depth, gpu_memory,
+    cpu_memory (bytes, or sizes such as "24GB"), kv_offload, io_backend, ...).
     """
     quiet_transformers()
+    for budget in ("gpu_memory", "cpu_memory"):
+        if isinstance(policy.get(budget), str):
+            policy[budget] = parse_size(policy[budget], "--" + budget.replace("_", "-"))
     policy = Policy(offload=offload, device=device, **policy)
     started = time.perf_counter()
     layout_folder = ensure_layout(model, path, dtype, allow_pickle, show_progress)
@@ -104,7 +118,7 @@ def load(
             f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
             f"convert into another --path with --dtype {dtype}"
         )
-    plan = Plan.make(layout.manifest, policy)
+    plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy))
     for warning in preflight(layout, plan, policy):
         print(f"zerolite: warning: {warning}", file=sys.stderr)
     loaded = [layout.manifest.block(name) for name in plan.loaded]

@@ -28,6 +28,26 @@ app = typer.Typer(
 )
 
 
+# Flags generate and profile share: where the weights and the K/V cache live.
+GpuMemory = Annotated[str | None, typer.Option(
+    "--gpu-memory", help="Blocks to keep resident on the GPU, as 20GB or 18GiB (default: what is free, less headroom).",
+    show_default=False)]
+CpuMemory = Annotated[str | None, typer.Option(
+    "--cpu-memory", help="Layers to keep in host memory before streaming the rest from disk, as 64GB; 0 streams every "
+    "layer (default: what is free, less headroom).", show_default=False)]
+KvOffload = Annotated[float, typer.Option(
+    "--kv-offload", help="Share of the layers (0 to 1) whose K/V cache lives in host memory, so the batch can grow "
+    "past device memory.")]
+
+
+def memory_policy(gpu_memory: str | None, cpu_memory: str | None, kv_offload: float) -> dict:
+    from zerolite.policy import parse_size
+
+    return dict(gpu_memory=None if gpu_memory is None else parse_size(gpu_memory, "--gpu-memory"),
+                cpu_memory=None if cpu_memory is None else parse_size(cpu_memory, "--cpu-memory"),
+                kv_offload=kv_offload)
+
+
 @app.callback()
 def _options(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
@@ -99,7 +119,10 @@ def generate(
     input_file: Annotated[Path | None, typer.Option("--input", help='JSONL prompts: {"id", "prompt"} or {"id", "input_ids"} per line.')] = None,
     output: Annotated[Path | None, typer.Option(help='JSONL completions: {"id", "prompt", "completion", "token_ids", "finish_reason"} per line.')] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt, at most.")] = 64,
-    batch_size: Annotated[int, typer.Option(min=1, help="Prompts per pass over the weights.")] = 8,
+    batch_size: Annotated[str, typer.Option(help="Prompts per pass over the weights, or auto: the largest batch the memory left holds.")] = "8",
+    gpu_memory: GpuMemory = None,
+    cpu_memory: CpuMemory = None,
+    kv_offload: KvOffload = 0.0,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the likeliest tokens holding this much probability (0 < p <= 1).")] = 1.0,
@@ -129,6 +152,8 @@ def generate(
             raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
     todo = read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
     sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
+    batch = parse_batch_size(batch_size)
+    policy = memory_policy(gpu_memory, cpu_memory, kv_offload)
 
     with ExitStack() as stack:
         log = stack.enter_context(CompletionLog.open(output)) if output is not None else None
@@ -136,7 +161,7 @@ def generate(
             stderr.print(f"every prompt already has its completion in {output}: nothing to do")
             return
         lm = stack.enter_context(zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype,
-                                               allow_pickle=allow_pickle, prefetch_depth=prefetch_depth))
+                                               allow_pickle=allow_pickle, prefetch_depth=prefetch_depth, **policy))
 
         def show(batch) -> None:
             if log is not None:
@@ -145,13 +170,15 @@ def generate(
             for c in batch:
                 typer.echo(((c.prompt or "") + c.completion if not chat else c.completion) if c.completion is not None else json.dumps(c.token_ids))
 
-        stats = generate_all(lm, todo, sampling, batch_size, show, done=log.done if log is not None else frozenset())
+        stats = generate_all(lm, todo, sampling, batch, show, done=log.done if log is not None else frozenset(),
+                             on_start=lambda size, tokens: show_plan(lm, size, tokens, chosen=batch is None))
     if stats_json is not None:
         write_atomically(stats_json, json.dumps(stats.to_dict(), indent=2) + "\n")
     summary = stats.to_dict()
     stderr.print(
         f"[dim]{stats.new_tokens} new tokens for {len(todo)} prompt{'s' if len(todo) != 1 else ''}; prefill {stats.prefill_s:.2f} s, decode "
-        f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s), {stats.bytes_read / 1e9:.2f} GB read[/dim]"
+        f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s), {stats.bytes_read / 1e9:.2f} GB read[/dim]",
+        soft_wrap=True,
     )
 
 
@@ -163,6 +190,9 @@ def profile(
     device: Annotated[str, typer.Option(help="cuda, cpu, or auto.")] = "auto",
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting.")] = None,
     prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring.")] = 2,
+    gpu_memory: GpuMemory = None,
+    cpu_memory: CpuMemory = None,
+    kv_offload: KvOffload = 0.0,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 1,
     new_tokens: Annotated[int, typer.Option(min=2, help="Steps to run: one prefill, the rest decode.")] = 8,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Length of the random prompts.")] = 16,
@@ -195,8 +225,11 @@ def profile(
     from zerolite.trace import plot_timeline, write_trace
 
     timeline = Timeline()
+    policy = memory_policy(gpu_memory, cpu_memory, kv_offload)
     with zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
-                       prefetch_depth=prefetch_depth, timeline=timeline, show_progress=not as_json) as lm:
+                       prefetch_depth=prefetch_depth, timeline=timeline, show_progress=not as_json, **policy) as lm:
+        if not as_json:
+            show_plan(lm, batch_size, prompt_tokens + new_tokens)
         report = profile_run(lm, timeline, batch_size, new_tokens, prompt_tokens)
     if trace is not None:
         write_trace(timeline, trace)
@@ -207,6 +240,30 @@ def profile(
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         show_report(report)
+
+
+def parse_batch_size(text: str) -> int | None:
+    """A whole number of prompts per batch, or None for auto."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        size = int(text)
+    except ValueError:
+        raise ZeroliteError(f"--batch-size {text!r} is not a number: give a whole number of prompts, or auto") from None
+    if size < 1:
+        raise ZeroliteError(f"--batch-size must be at least 1, got {size}")
+    return size
+
+
+def show_plan(lm, batch_size: int, tokens: int, chosen: bool = False) -> None:
+    """Where every block and the K/V cache live, and what a step must move, before anything runs."""
+    from zerolite.plan_summary import summarize
+
+    lines = summarize(lm, batch_size, tokens)
+    if chosen:
+        lines.append(f"batch size: {batch_size} (auto: the largest that fits)")
+    for line in lines:
+        stderr.print(f"[dim]{line}[/dim]", highlight=False, soft_wrap=True)
 
 
 def show_report(report) -> None:

@@ -51,13 +51,12 @@ class Executor:
         for name in self.plan.resident:
             self._bindings[name].bind(resident.bytes_of(name).to(self.device))
 
-        on_cuda = self.device.type == "cuda"
-        if self.plan.home == "nvme":
-            self.store: LayoutStore | MemoryStore = LayoutStore(layout, self.engine)
-        else:
-            self.store = MemoryStore.load(layout, self.engine, list(self.plan.streamed), pin=on_cuda, progress=progress)
-        slot_bytes = max((manifest.block(name).length for name in self.plan.streamed), default=0)
-        self.slots = Slots(self.store, policy.prefetch_depth, self.device, slot_bytes, timeline)
+        self.disk = LayoutStore(layout, self.engine)
+        memory = MemoryStore.load(layout, self.engine, list(plan.in_memory), pin=self.device.type == "cuda",
+                                  progress=progress)
+        slot_bytes = max((manifest.block(name).length for name in plan.streamed), default=0)
+        self.slots = Slots(self.disk if plan.on_disk else None, memory, policy.prefetch_depth, self.device,
+                           slot_bytes, timeline)
         self.schedule = Schedule(list(self.plan.streamed))
         self._running: dict[str, object] = {}  # block -> its open compute span
         self._step = None
@@ -73,7 +72,7 @@ class Executor:
     @property
     def bytes_read(self) -> int:
         """Bytes streamed from disk since the executor was made (loading excluded)."""
-        return self.store.bytes_read if isinstance(self.store, LayoutStore) else 0
+        return self.disk.bytes_read
 
     def _hook_before(self, name: str):
         def before(module: nn.Module, args) -> None:

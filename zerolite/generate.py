@@ -18,6 +18,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from zerolite.api import OffloadedLM
+from zerolite.batching import largest_batch
 from zerolite.errors import ZeroliteError
 from zerolite.progress import token_progress
 from zerolite.prompts import Completion, Prompt
@@ -105,20 +106,27 @@ def generate_all(
     lm: OffloadedLM,
     prompts: list[Prompt],
     sampling: Sampling,
-    batch_size: int,
+    batch_size: int | None,
     on_batch: Callable[[list[Completion]], None],
     show_progress: bool = True,
     done: set = frozenset(),
+    on_start: Callable[[int, int], None] = lambda batch_size, tokens: None,
 ) -> RunStats:
     """Generates for every prompt, batch after batch, handing each batch's completions to on_batch.
 
-    Batches are cut from the whole list by position, so that a batch always holds the same prompts
-    (and so gives the same tokens); those whose ids are all in done (a resumed run) are skipped.
+    batch_size None picks the largest batch the memory holds. Batches are cut from the whole list
+    by position, so that a batch always holds the same prompts (and so gives the same tokens);
+    those whose ids are all in done (a resumed run) are skipped. on_start hears the batch size and
+    the longest sequence once the prompts are checked, before anything runs. The engine, the slots
+    and the resident blocks stay warm from one batch to the next.
     """
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise ZeroliteError(f"--batch-size must be at least 1, got {batch_size}")
     encoded = encode(lm, prompts, sampling.chat)
     check_context(lm, prompts, encoded, sampling.max_new_tokens)
+    if batch_size is None:
+        batch_size = largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens)
+    on_start(batch_size, max(map(len, encoded)) + sampling.max_new_tokens)
     config = generation_config(lm, sampling)
     stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
     bytes_before = lm.bytes_read

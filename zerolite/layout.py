@@ -61,6 +61,19 @@ class Layout:
                 f"again (zerolite convert MODEL --path {self.folder})"
             ) from e
 
+    def wait_all(self, engine: IoEngine, tickets: list[int]) -> list[float]:
+        """Waits for every ticket, even after one failed (no read may outlive its buffer), then
+        raises the first failure; returns when each finished."""
+        finished, failure = [], None
+        for ticket in tickets:
+            try:
+                finished.append(self.wait(engine, ticket))
+            except ZeroliteError as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        return finished
+
     def read_block(
         self, name: str, engine: IoEngine, buffer: torch.Tensor | None = None, verify: bool = False
     ) -> dict[str, torch.Tensor]:

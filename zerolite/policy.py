@@ -6,6 +6,7 @@ A Policy is a plain frozen value, checked once when it is made; everything downs
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,9 @@ class Policy:
     io_backend: str = "auto"           # the engine's backend: "io_uring", "pread" or "auto"
     io_queue_depth: int = 32           # engine reads in flight
     io_block_bytes: int = 1 << 20      # size of each engine read
+    gpu_memory: int | None = None      # bytes of blocks kept resident on the GPU; None: what is free, less headroom
+    cpu_memory: int | None = None      # bytes of layers kept in host memory (--offload nvme); None: likewise
+    kv_offload: float = 0.0            # fraction of the layers whose K/V cache lives in host memory
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
@@ -39,12 +43,32 @@ class Policy:
             )
         if self.prefetch_depth < 1:
             raise ZeroliteError(f"--prefetch-depth must be at least 1, got {self.prefetch_depth}")
+        for flag, budget in (("--gpu-memory", self.gpu_memory), ("--cpu-memory", self.cpu_memory)):
+            if budget is not None and budget < 0:
+                raise ZeroliteError(f"{flag} must not be negative, got {budget} bytes")
+        if not 0.0 <= self.kv_offload <= 1.0:
+            raise ZeroliteError(f"--kv-offload is the fraction of layers whose K/V cache lives in host memory: "
+                                f"give a number from 0 to 1, not {self.kv_offload}")
 
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """A memory budget such as "24GB", "1.5GiB" or "0" (no unit needed for nothing) in bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match and match[2].lower() in SIZE_UNITS:
+        return int(float(match[1]) * SIZE_UNITS[match[2].lower()])
+    if match and not match[2] and float(match[1]) == 0:
+        return 0
+    raise ZeroliteError(f"{flag} {text!r} is not a size: write it with a unit, as in 24GB, 1.5GiB or 512MB (or 0)")
 
 
 def default_layout_path(model: str, dtype: str | None) -> Path:

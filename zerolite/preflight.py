@@ -25,18 +25,24 @@ def preflight(layout: Layout, plan: Plan, policy: Policy) -> list[str]:
     on_cuda = device.type == "cuda"
     size = {block.name: block.length for block in manifest.blocks}
     resident = sum(size[name] for name in plan.resident)
-    streamed = sum(size[name] for name in plan.streamed)
+    in_memory = sum(size[name] for name in plan.in_memory)
     slots = policy.prefetch_depth * max((size[name] for name in plan.streamed), default=0)
-    host_slots = slots if plan.home == "nvme" else 0
-    memory_home = streamed if plan.home != "nvme" else 0
+    host_slots = slots if plan.on_disk else 0
     warnings = []
 
-    host_needed = (0 if on_cuda else resident) + memory_home + host_slots
+    host_needed = (0 if on_cuda else resident) + in_memory + host_slots
     available = psutil.virtual_memory().available
     if host_needed > available:
+        if policy.offload == "none":
+            fix = "use --offload nvme to stream the layers from disk"
+        elif policy.offload == "cpu":
+            fix = "use --offload nvme to stream the layers that do not fit from disk"
+        elif policy.cpu_memory is not None and in_memory:
+            fix = "lower --cpu-memory"
+        else:
+            fix = "lower --prefetch-depth"
         raise ZeroliteError(
-            f"this plan holds {host_needed / 1e9:.1f} GB in host memory but {available / 1e9:.1f} GB is available: "
-            + ("use --offload nvme to stream the layers from disk" if plan.home != "nvme" else "lower --prefetch-depth")
+            f"this plan holds {host_needed / 1e9:.1f} GB in host memory but {available / 1e9:.1f} GB is available: {fix}"
         )
 
     if on_cuda:
@@ -45,9 +51,9 @@ def preflight(layout: Layout, plan: Plan, policy: Policy) -> list[str]:
         if device_needed > free:
             raise ZeroliteError(
                 f"this plan puts {device_needed / 1e9:.1f} GB on {device} but {free / 1e9:.1f} GB is free: "
-                "lower --prefetch-depth, or free the GPU"
+                + ("lower --gpu-memory" if policy.gpu_memory is not None else "lower --prefetch-depth, or free the GPU")
             )
-        pinned = memory_home + host_slots
+        pinned = in_memory + host_slots
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and pinned > soft:
             warnings.append(
@@ -55,7 +61,7 @@ def preflight(layout: Layout, plan: Plan, policy: Policy) -> list[str]:
                 "if pinning fails, raise the limit (ulimit -l unlimited)"
             )
 
-    if plan.home == "nvme" and plan.streamed and not supports_direct_io(layout.data_path):
+    if plan.on_disk and not supports_direct_io(layout.data_path):
         warnings.append(
             f"{layout.folder} is on a file system without O_DIRECT (older tmpfs, some network file systems): reading through the page cache, "
             "which costs host memory and bandwidth"

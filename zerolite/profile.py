@@ -72,16 +72,16 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     timeline.resolve()
     # Measured after the run, not before: reading the whole layout first changes how fast this
     # machine's virtual disk then serves the run (steps up to 2x slower here).
-    streams_from_disk = plan.home == "nvme" and plan.streamed
     read_gbps = max(
         measure_disk(executor.layout.folder, engine=executor.engine)["read_gbps"] for _ in range(DISK_RUNS)
-    ) if streams_from_disk else None
+    ) if plan.on_disk else None
     h2d_gbps = measure_host_to_device(lm.device)
 
-    streamed = sum(manifest.block(name).length for name in plan.streamed)
-    if plan.home == "nvme":
-        transfer_gbps = read_gbps
+    # The link a step waits on: the disk when any layer streams from it, else the copy to the GPU.
+    if plan.on_disk:
+        streamed, transfer_gbps = sum(manifest.block(name).length for name in plan.on_disk), read_gbps
     else:
+        streamed = sum(manifest.block(name).length for name in plan.streamed)
         transfer_gbps = h2d_gbps if lm.device.type == "cuda" and plan.streamed else None
     return analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens)
 
@@ -111,11 +111,11 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
         bottleneck="", verdict="",
     )
     engine = lm.executor.engine
-    judge(report, transfer_gbps, lm.executor.plan.home, engine.queue_depth * engine.block_bytes)
+    judge(report, transfer_gbps, "disk" if lm.executor.plan.on_disk else "copy", engine.queue_depth * engine.block_bytes)
     return report
 
 
-def judge(r: Report, transfer_gbps: float | None, home: str, queue_bytes: int) -> None:
+def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -> None:
     """Names what limits the step, in words, and what to change.
 
     From the timeline, not from bandwidth estimates (a disk's speed varies run to run): compute
@@ -124,7 +124,6 @@ def judge(r: Report, transfer_gbps: float | None, home: str, queue_bytes: int) -
     the engine could keep queued; compute that waits while the link sits idle part of the step is starved by reads that
     start too late.
     """
-    link = "disk" if home == "nvme" else "copy"
     if r.wait_s < WAITING * r.decode_step_s:
         r.bottleneck = "compute"
         r.verdict = f"compute-bound: compute takes {r.compute_s:.3f} s of each {r.decode_step_s:.3f} s step"

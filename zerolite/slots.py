@@ -1,13 +1,13 @@
 """The ring of buffers streamed blocks pass through on their way to compute.
 
-    slots = Slots(store, depth=2, device=torch.device("cuda"))
+    slots = Slots(disk, memory, depth=2, device=torch.device("cuda"))
     slots.want(["layers.3", "layers.4"]) # reads (and copies) begin; returns at once
     data = slots.wait("layers.3")        # the block's bytes where compute can use them
     ...                                  # run the block
     slots.release("layers.3")            # its slot may be refilled once compute is done with it
 
-A slot holds one block. Its bytes come from the store: a disk home is read by the engine into
-the slot's host buffer (pinned on CUDA); a memory home already has them in host memory. On CUDA
+A slot holds one block. Its bytes come from its home: a block on disk is read by the engine into
+the slot's host buffer (pinned on CUDA); a block in host memory already has them there. On CUDA
 they are then copied into the slot's device buffer on a separate stream, ordered by events:
 compute waits for the copy, the next copy into the slot waits for compute. On a CPU device the
 host bytes are what compute uses: no copy at all.
@@ -43,13 +43,15 @@ class Slot:
 
 
 class Slots:
-    def __init__(self, store: LayoutStore | MemoryStore, depth: int, device: torch.device, slot_bytes: int,
-                 timeline=NO_TIMELINE):
-        self.store = store
+    def __init__(self, disk: LayoutStore | None, memory: MemoryStore, depth: int, device: torch.device,
+                 slot_bytes: int, timeline=NO_TIMELINE):
+        """disk is None when no streamed block lives there: the slots then need no host buffers."""
+        self.disk = disk
+        self.memory = memory
         self.timeline = timeline
         self.device = device
         self.on_cuda = device.type == "cuda"
-        reads = isinstance(store, LayoutStore)
+        reads = disk is not None
         self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self._slots = [
             Slot(
@@ -81,12 +83,12 @@ class Slots:
             self._starts += 1
             slot.block, slot.started = name, self._starts
             self._by_block[name] = slot
-            if isinstance(self.store, LayoutStore):
-                slot.submitted = time.perf_counter()
-                slot.ticket = self.store.submit(name, slot.host)
-                slot.source = slot.host
+            if self.memory.holds(name):
+                slot.source = self.memory.bytes_of(name)
             else:
-                slot.source = self.store.bytes_of(name)
+                slot.submitted = time.perf_counter()
+                slot.ticket = self.disk.submit(name, slot.host)
+                slot.source = slot.host
             if self.on_cuda and slot.ticket is None:
                 self._copy(slot)
 
@@ -97,7 +99,7 @@ class Slots:
         for slot in self._slots:
             if slot.ticket is not None:
                 try:
-                    finished = self.store.finished(slot.ticket)
+                    finished = self.disk.finished(slot.ticket)
                 except ZeroliteError:
                     slot.ticket = None  # spent: a failed read is waited for too
                     raise
@@ -117,11 +119,11 @@ class Slots:
             self._await(slot)
         slot.in_use = True
         if not self.on_cuda:
-            return slot.source[: self.store.entry(name).length]
+            return slot.source[: self.memory.entry(name).length]
         if slot.copied is None:
             self._copy(slot)
         torch.cuda.current_stream(self.device).wait_event(slot.copied)
-        return slot.device[: self.store.entry(name).length]
+        return slot.device[: self.memory.entry(name).length]
 
     def release(self, name: str) -> None:
         """Compute is done with the block (on CUDA: once the work queued so far has run)."""
@@ -146,15 +148,15 @@ class Slots:
 
     def _await(self, slot: Slot) -> None:
         ticket, slot.ticket = slot.ticket, None  # spent once waited for, whether the read failed or not
-        self._read_done(slot, self.store.wait(ticket))
+        self._read_done(slot, self.disk.wait(ticket))
 
     def _read_done(self, slot: Slot, finished: float) -> None:
-        entry = self.store.entry(slot.block)
+        entry = self.disk.entry(slot.block)
         self.timeline.add("read", slot.block, slot.submitted, finished, bytes=entry.length)
         if slot.block not in self._verified:
             # Once per block and run: CRC-32 runs at ~3.6 GB/s here, faster than the disk, and
             # catches a layout altered after convert before its bytes are used.
-            self.store.layout.check(entry, slot.host)
+            self.disk.layout.check(entry, slot.host)
             self._verified.add(slot.block)
 
     def _empty(self, slot: Slot) -> None:
@@ -166,7 +168,7 @@ class Slots:
         slot.block, slot.source, slot.copied = None, None, None
 
     def _copy(self, slot: Slot) -> None:
-        nbytes = self.store.entry(slot.block).length
+        nbytes = self.memory.entry(slot.block).length
         with torch.cuda.stream(self.copy_stream):
             if slot.computed is not None:
                 self.copy_stream.wait_event(slot.computed)  # compute may still read the old block

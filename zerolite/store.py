@@ -9,6 +9,8 @@ Both hand out raw block bytes; turning them into tensors is layout.tensor_views'
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zerolite.errors import ZeroliteError
@@ -73,16 +75,24 @@ class MemoryStore:
         for name in names:
             entry = layout.manifest.block(name)
             buffers[name] = aligned_empty(entry.length, pin=pin)
-            tickets.append((entry, layout.submit_block(name, engine, buffers[name])))
-        for entry, ticket in tickets:
-            layout.wait(engine, ticket)
-            layout.check(entry, buffers[entry.name])
-            if progress is not None:
-                progress.advance(entry.length)
+            tickets.append(layout.submit_block(name, engine, buffers[name]))
+        try:
+            for number, (name, ticket) in enumerate(zip(names, tickets)):
+                layout.wait(engine, ticket)
+                layout.check(layout.manifest.block(name), buffers[name])
+                if progress is not None:
+                    progress.advance(layout.manifest.block(name).length)
+        except ZeroliteError:
+            with contextlib.suppress(ZeroliteError):  # the first failure is the one to report
+                layout.wait_all(engine, tickets[number + 1:])  # reads still landing in buffers about to be freed
+            raise
         return cls(layout, buffers)
 
     def entry(self, name: str) -> BlockEntry:
         return self.layout.manifest.block(name)
+
+    def holds(self, name: str) -> bool:
+        return name in self._buffers
 
     def bytes_of(self, name: str) -> torch.Tensor:
         return self._buffers[name]

@@ -1,0 +1,77 @@
+"""The plan in words, printed before a run: which blocks live where, the K/V cache's split, the
+bytes a step streams and the least time that costs.
+
+    for line in summarize(lm, batch_size=16, tokens=80): print(line)
+"""
+
+from __future__ import annotations
+
+import time
+
+from zerolite.io import aligned_empty
+from zerolite.kv_cache import kv_bytes_per_token
+
+PROBE_BYTES = 256 << 20  # enough O_DIRECT reads for a fair speed, little enough to start in a blink
+
+
+def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> list[str]:
+    executor = lm.executor
+    plan, manifest, device = executor.plan, executor.layout.manifest, lm.device
+
+    def size(names) -> str:
+        return f"{sum(manifest.block(name).length for name in names) / 1e9:.2f} GB"
+
+    tiers = [f"{len(plan.resident)} blocks resident on {device} ({size(plan.resident)}: {layer_list(plan.resident)})"]
+    if plan.in_memory:
+        tiers.append(f"{len(plan.in_memory)} layers in host memory ({size(plan.in_memory)}: {layer_list(plan.in_memory)})")
+    if plan.on_disk:
+        tiers.append(f"{len(plan.on_disk)} layers streamed from disk ({size(plan.on_disk)} per step: {layer_list(plan.on_disk)})")
+    lines = ["plan: " + "; ".join(tiers)]
+
+    config = lm.model.config
+    layers = config.get_text_config(decoder=True).num_hidden_layers
+    fraction = executor.policy.kv_offload
+    kv = f"K/V cache: {round(fraction * layers)} of {layers} layers in host memory"
+    if batch_size and tokens:
+        kv += f", {batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype) / 1e9:.2f} GB in all at most (batch {batch_size} x {tokens} tokens)"
+    lines.append(kv)
+
+    if plan.on_disk:
+        streamed = sum(manifest.block(name).length for name in plan.on_disk)
+        gbps = probe_read_gbps(executor)
+        lines.append(f"bound: a step takes at least {streamed / (gbps * 1e9):.3f} s, reading {streamed / 1e9:.2f} GB at the "
+                     f"{gbps:.2f} GB/s this disk reads now, or longer if compute takes longer")
+    return lines
+
+
+def probe_read_gbps(executor) -> float:
+    """Reads the first blocks that will stream from disk (up to PROBE_BYTES), all in flight at once
+    as the slots keep them, and times it: the read speed this run can expect."""
+    layout, engine = executor.layout, executor.engine
+    blocks, total = [], 0
+    for name in executor.plan.on_disk:
+        blocks.append(layout.manifest.block(name))
+        total += blocks[-1].length
+        if total >= PROBE_BYTES:
+            break
+    buffers = [aligned_empty(block.length) for block in blocks]
+    for buffer in buffers:
+        buffer.fill_(0)  # fault the pages in now, not inside the timed reads
+    started = time.perf_counter()
+    tickets = [layout.submit_block(block.name, engine, buffer) for block, buffer in zip(blocks, buffers)]
+    finished = max(layout.wait_all(engine, tickets))
+    return total / max(finished - started, 1e-9) / 1e9
+
+
+def layer_list(names) -> str:
+    """"embed, head, layers 0-3, 8, 10" from block names: runs of layers written as ranges."""
+    others = [name for name in names if not name.startswith("layers.")]
+    numbers = sorted(int(name.removeprefix("layers.")) for name in names if name.startswith("layers."))
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    spans = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
+    return ", ".join(others + ([f"layers {', '.join(spans)}"] if spans else []))
