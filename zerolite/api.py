@@ -48,6 +48,10 @@ class OffloadedLM:
         return self.executor.device
 
     @property
+    def config(self):
+        return self.model.config
+
+    @property
     def generation_config(self):
         return self.model.generation_config
 

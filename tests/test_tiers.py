@@ -1,0 +1,144 @@
+"""Memory tiers, the printed plan, and --batch-size auto."""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+
+import psutil
+import pytest
+import torch
+
+import zerolite
+from cli_runner import assert_one_line_error, run
+from tiny_models import save_tiny_model
+from zerolite.budget import Budgets
+from zerolite.convert import convert
+from zerolite.errors import ZeroliteError
+from zerolite.layout import Layout
+from zerolite.plan import Plan, spread
+from zerolite.policy import Policy, parse_size
+
+LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiers")
+    convert(save_tiny_model("llama", folder / "source", layers=LAYERS), folder / "layout", show_progress=False)
+    return folder / "layout"
+
+
+def layer_bytes(layout) -> list[int]:
+    return [b.length for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.")]
+
+
+def test_spread_picks_evenly_spaced_items():
+    items = list(range(16))
+    assert spread(items, 8) == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert spread(items, 4) == [2, 6, 10, 14]
+    assert spread(items, 16) == items and spread(items, 99) == items
+    assert spread(items, 0) == [] and spread(items, -3) == []
+
+
+def test_budgets_place_layers_on_the_device_then_in_memory_then_on_disk(layout):
+    manifest = Layout.open(layout).manifest
+    size = max(layer_bytes(layout))
+    always = sum(b.length for b in manifest.blocks if not b.name.startswith("layers."))
+    plan = Plan.make(manifest, Policy(offload="nvme", device="cpu"), Budgets(device=always + 2 * size, host=3 * size))
+    assert set(plan.resident) == {"embed", "head", "layers.2", "layers.6"}
+    assert plan.in_memory == ("layers.1", "layers.4", "layers.7")
+    assert plan.on_disk == ("layers.0", "layers.3", "layers.5")
+    assert plan.loaded == plan.resident + plan.in_memory
+
+    everything_streams = Plan.make(manifest, Policy(offload="nvme", device="cpu"), Budgets(device=0, host=0))
+    assert everything_streams.on_disk == everything_streams.streamed == tuple(f"layers.{i}" for i in range(LAYERS))
+    in_memory = Plan.make(manifest, Policy(offload="cpu", device="cpu"), Budgets(device=0, host=0))
+    assert in_memory.on_disk == () and len(in_memory.in_memory) == LAYERS  # --offload cpu: the host budget is not asked
+    resident = Plan.make(manifest, Policy(offload="none", device="cpu"), Budgets(device=0, host=0))
+    assert resident.streamed == () and len(resident.resident) == len(manifest.blocks)
+
+
+def test_a_budget_holding_half_the_layers_streams_only_the_other_half(layout):
+    half = sum(layer_bytes(layout)) // 2
+    ids = torch.tensor([[5, 17, 33, 9]])
+    read = {}
+    for budget in (0, half):
+        with zerolite.load(layout, offload="nvme", cpu_memory=budget, device="cpu", prefetch_depth=1,
+                           show_progress=False) as lm:  # depth 1: nothing read ahead for a forward that never comes
+            before = lm.bytes_read
+            out = lm.generate(input_ids=ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+            read[budget] = (lm.bytes_read - before, out)
+    forwards = 5
+    assert read[0][0] == forwards * sum(layer_bytes(layout))
+    assert read[half][0] == forwards * half
+    assert torch.equal(read[0][1], read[half][1])
+
+
+def test_default_budgets_keep_what_fits_in_free_memory(layout, monkeypatch):
+    """Without --cpu-memory, layers stay in host memory while what is free (less headroom) holds them."""
+    manifest = Layout.open(layout).manifest
+    memory = namedtuple("memory", "available total")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=64 << 30, total=64 << 30))
+    roomy = Plan.make(manifest, Policy(device="cpu"), Budgets.make(manifest, Policy(device="cpu")))
+    assert roomy.on_disk == ()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=1 << 30, total=1 << 30))
+    tight = Plan.make(manifest, Policy(device="cpu"), Budgets.make(manifest, Policy(device="cpu")))
+    assert len(tight.on_disk) == LAYERS  # less than the 2 GiB reserve is free: everything streams
+
+
+@pytest.mark.parametrize(("text", "expected"), [("0", 0), ("24GB", 24 * 10**9), ("1.5GiB", 3 << 29), ("512 mb", 512 * 10**6)])
+def test_sizes_parse(text, expected):
+    assert parse_size(text, "--cpu-memory") == expected
+
+
+@pytest.mark.parametrize("text", ["20", "lots", "-1GB", "3 parsecs", ""])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(ZeroliteError, match="--cpu-memory"):
+        parse_size(text, "--cpu-memory")
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--cpu-memory", "20"], ("--cpu-memory", "unit", "24GB")),
+    (["--gpu-memory", "much"], ("--gpu-memory", "not a size")),
+    (["--kv-offload", "1.5"], ("--kv-offload", "from 0 to 1")),
+    (["--kv-offload", "-0.1"], ("--kv-offload", "from 0 to 1")),
+    (["--batch-size", "many"], ("--batch-size", "auto")),
+])
+def test_bad_memory_options(capsys, monkeypatch, layout, args, fragments):
+    result = run(capsys, monkeypatch, "generate", "hi", "--model", layout, "--device", "cpu", *args)
+    assert_one_line_error(result, *fragments)
+
+
+def test_the_plan_is_printed_before_the_run(capsys, monkeypatch, tmp_path, layout):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "input_ids": [5 + i, 9, 12]}) + "\n" for i in range(5)))
+    half = sum(layer_bytes(layout)) // 2
+    result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", prompts,
+                 "--cpu-memory", str(half) + "B", "--kv-offload", "0.5", "--batch-size", "auto", "--max-new-tokens", "4")
+    assert result.code == 0, result.stderr
+    lines = result.stderr.splitlines()
+    plan = next(line for line in lines if line.startswith("plan: "))
+    assert "2 blocks resident on cpu" in plan and "4 layers in host memory" in plan and "layers 0, 2, 4, 6" in plan
+    assert "4 layers streamed from disk" in plan and "layers 1, 3, 5, 7" in plan
+    assert any(line.startswith("K/V cache: 4 of 8 layers in host memory") for line in lines)
+    assert any(line.startswith("bound: a step takes at least") for line in lines)
+    assert "batch size: 5 (auto" in result.stderr  # five prompts: the whole input in one pass
+    assert len(result.stdout.splitlines()) == 5
+
+
+def test_batch_size_auto_fills_the_memory_left(layout, monkeypatch):
+    from zerolite.batching import largest_batch
+
+    with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", show_progress=False) as lm:
+        memory = namedtuple("memory", "available total")
+        per_sequence = None
+        for available, expected in ((10 << 30, 1000), (1 << 20, None)):
+            monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=available, total=available))
+            if expected is None:
+                with pytest.raises(ZeroliteError, match="not even one sequence"):
+                    largest_batch(lm, [2000], max_new_tokens=1000)
+                continue
+            assert largest_batch(lm, [8] * expected, max_new_tokens=16) == expected  # capped by the prompts
+            per_sequence = per_sequence or largest_batch(lm, [8] * 10**6, max_new_tokens=16)
+        assert 1000 < per_sequence <= 4096
