@@ -148,7 +148,10 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
             if bigger > r.batch_size:
                 r.verdict += f"; a batch of {bigger} would cost nothing more per step"
                 r.advice.append(f"raise --batch-size towards {bigger}: compute ({r.compute_s:.3f} s) hides under the {link} ({r.io_s:.3f} s) until then")
-        r.advice.append("move fewer bytes: a bf16/fp16 layout instead of fp32, or --offload cpu where host memory holds the model")
+        r.advice.append("move fewer bytes: a bf16/fp16 layout instead of fp32, or keep more layers where they need no "
+                        "read: a larger --cpu-memory (host) or --gpu-memory (GPU) budget, each layer kept saves its transfer")
+        if r.device.startswith("cuda"):
+            r.advice.append("if a larger batch does not fit on the GPU, --kv-offload 0.5 keeps half the K/V cache in host memory")
         return
     r.bottleneck = "prefetch"
     if r.link_busy >= BUSY:
