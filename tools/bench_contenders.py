@@ -49,9 +49,17 @@ def accelerate_disk(args):
 def deepspeed_zero3(args, offload: str):
     """ZeRO-Inference: ZeRO-3 partitions the parameters at load (HfDeepSpeedConfig before
     from_pretrained) and offloads them to host memory or NVMe, gathering each module's just before it runs."""
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("WORLD_SIZE", "1"), ("LOCAL_SIZE", "1")):
+        os.environ.setdefault(name, value)  # one process, no launcher
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
     config = AutoConfig.from_pretrained(args.source)
     hidden = config.hidden_size
