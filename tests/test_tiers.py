@@ -16,7 +16,8 @@ from zerolite.budget import Budgets
 from zerolite.convert import convert
 from zerolite.errors import ZeroliteError
 from zerolite.layout import Layout
-from zerolite.plan import Plan, spread
+from zerolite.kv_cache import spread
+from zerolite.plan import Plan
 from zerolite.policy import Policy, parse_size
 
 LAYERS = 8
@@ -46,9 +47,9 @@ def test_budgets_place_layers_on_the_device_then_in_memory_then_on_disk(layout):
     size = max(layer_bytes(layout))
     always = sum(b.length for b in manifest.blocks if not b.name.startswith("layers."))
     plan = Plan.make(manifest, Policy(offload="nvme", device="cpu"), Budgets(device=always + 2 * size, host=3 * size))
-    assert set(plan.resident) == {"embed", "head", "layers.2", "layers.6"}
-    assert plan.in_memory == ("layers.1", "layers.4", "layers.7")
-    assert plan.on_disk == ("layers.0", "layers.3", "layers.5")
+    assert set(plan.resident) == {"embed", "head", "layers.0", "layers.1"}
+    assert plan.in_memory == ("layers.2", "layers.3", "layers.4")
+    assert plan.on_disk == ("layers.5", "layers.6", "layers.7")  # one stretch of the layout, read in order
     assert plan.loaded == plan.resident + plan.in_memory
 
     everything_streams = Plan.make(manifest, Policy(offload="nvme", device="cpu"), Budgets(device=0, host=0))
@@ -119,8 +120,8 @@ def test_the_plan_is_printed_before_the_run(capsys, monkeypatch, tmp_path, layou
     assert result.code == 0, result.stderr
     lines = result.stderr.splitlines()
     plan = next(line for line in lines if line.startswith("plan: "))
-    assert "2 blocks resident on cpu" in plan and "4 layers in host memory" in plan and "layers 0, 2, 4, 6" in plan
-    assert "4 layers streamed from disk" in plan and "layers 1, 3, 5, 7" in plan
+    assert "2 blocks resident on cpu" in plan and "4 layers in host memory" in plan and "layers 0-3" in plan
+    assert "4 layers streamed from disk" in plan and "layers 4-7" in plan
     assert any(line.startswith("K/V cache: 4 of 8 layers in host memory") for line in lines)
     assert any(line.startswith("bound: a step takes at least") for line in lines)
     assert "batch size: 5 (auto" in result.stderr  # five prompts: the whole input in one pass
@@ -142,3 +143,30 @@ def test_batch_size_auto_fills_the_memory_left(layout, monkeypatch):
             assert largest_batch(lm, [8] * expected, max_new_tokens=16) == expected  # capped by the prompts
             per_sequence = per_sequence or largest_batch(lm, [8] * 10**6, max_new_tokens=16)
         assert 1000 < per_sequence <= 4096
+
+
+def test_kv_offload_keeps_the_chosen_layers_in_growing_host_buffers(layout):
+    from zerolite.kv_cache import MIN_TOKENS, HostLayer, PartialOffloadCache
+
+    with zerolite.load(layout, offload="none", device="cpu", show_progress=False) as lm:
+        cache = PartialOffloadCache(lm.config, 0.5, lm.device)
+        assert cache.offloaded == [1, 3, 5, 7]
+        ids = torch.tensor([[5, 17, 33, 9]])
+        lm.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                    past_key_values=cache)
+    for i in cache.offloaded:
+        layer = cache.layers[i]
+        assert isinstance(layer, HostLayer) and layer.keys.device.type == "cpu"
+        assert layer.get_seq_length() == cache.layers[0].get_seq_length() == 4 + 5  # the last token is never fed back
+        buffer = layer._buffers[0]
+        assert buffer.shape[-2] == MIN_TOKENS and layer.keys.data_ptr() == buffer.data_ptr()  # appended in place
+
+
+def test_read_ahead_skips_blocks_that_need_no_transfer():
+    from zerolite.schedule import Schedule
+
+    schedule = Schedule(["layers.0", "layers.1", "layers.2", "layers.3"])
+    on_disk = frozenset({"layers.2", "layers.3"})
+    assert schedule.ahead("layers.0", 2, on_disk) == ["layers.2", "layers.3"]  # read on through layers.1, held in memory
+    assert schedule.ahead("layers.3", 2, on_disk) == ["layers.2"]  # wraps into the next forward, never itself
+    assert schedule.ahead("layers.0", 2) == ["layers.1", "layers.2"]

@@ -58,6 +58,9 @@ class Executor:
         self.slots = Slots(self.disk if plan.on_disk else None, memory, policy.prefetch_depth, self.device,
                            slot_bytes, timeline)
         self.schedule = Schedule(list(self.plan.streamed))
+        # What the ring reads ahead: blocks that need a transfer. On a CPU device a block held in
+        # host memory needs none, so the disk reads on through such layers instead of idling.
+        self._transferred = frozenset(plan.on_disk if self.device.type == "cpu" else plan.streamed)
         self._running: dict[str, object] = {}  # block -> its open compute span
         self._step = None
         self._steps = 0
@@ -92,7 +95,7 @@ class Executor:
         3. wait for this block's bytes and bind them into its modules
         """
         self.schedule.ran(name)
-        self.slots.want([name] + self.schedule.ahead(name, self.policy.prefetch_depth - 1))
+        self.slots.want([name] + self.schedule.ahead(name, self.policy.prefetch_depth - 1, self._transferred))
         self.slots.advance()
         with self.timeline.span("wait", name):
             self._bindings[name].bind(self.slots.wait(name))

@@ -16,8 +16,6 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from zerolite.plan import spread
-
 MIN_TOKENS = 256  # the first host buffer's length: appends then rarely reallocate
 
 
@@ -146,3 +144,10 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def spread(items: list, count: int) -> list:
+    """count of items, evenly spaced over the list (all of them when count reaches its length):
+    each offloaded layer then follows one that is not, whose attention hides its copy."""
+    count = max(min(count, len(items)), 0)
+    return [items[(2 * j + 1) * len(items) // (2 * count)] for j in range(count)]

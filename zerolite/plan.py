@@ -5,9 +5,11 @@ Three tiers, fastest first. Resident blocks are bound once and stay on the devic
 layers stream through the ring of slots every forward, from host memory (pinned on CUDA) when the
 host budget holds them, else from the layout on disk.
 
-Layers kept in a faster tier are spread evenly over the model rather than taken from its front: a
-disk read then always has another layer's compute to hide under, instead of the disk idling
-through a run of layers held in memory and then being waited on through the rest.
+Faster tiers take the first layers, so the layers read from disk are one contiguous stretch of the
+layout, read in order at every step: readahead and caches below the engine serve that best (this
+machine's virtual disk reads a strided half of a layout at a third of the speed of the whole). The
+disk does not idle meanwhile: the executor reads ahead counting only blocks that need a transfer,
+so the next disk layers are on their way while the layers held in memory compute.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ class Plan:
         widest = max((manifest.block(name).length for name in layers), default=1)
 
         on_device_room = budgets.device - sum(manifest.block(name).length for name in always)
-        on_device = spread(layers, on_device_room // widest)
-        rest = [name for name in layers if name not in on_device]
-        in_memory = rest if policy.offload == "cpu" else spread(rest, budgets.host // widest)
+        on_device = layers[: max(on_device_room // widest, 0)]
+        rest = layers[len(on_device):]
+        in_memory = rest if policy.offload == "cpu" else rest[: budgets.host // widest]
         resident = tuple(name for name in names if name in always or name in on_device)
-        return cls(resident, tuple(rest), tuple(name for name in rest if name not in in_memory))
+        return cls(resident, tuple(rest), tuple(rest[len(in_memory):]))
 
     @property
     def in_memory(self) -> tuple[str, ...]:
@@ -54,8 +56,3 @@ class Plan:
         """Blocks read while loading: the resident ones and those held in host memory."""
         return self.resident + self.in_memory
 
-
-def spread(names: list[str], count: int) -> list[str]:
-    """count of names, evenly spaced over the list (all of them when count reaches its length)."""
-    count = max(min(count, len(names)), 0)
-    return [names[(2 * j + 1) * len(names) // (2 * count)] for j in range(count)]

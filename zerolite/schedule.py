@@ -34,16 +34,17 @@ class Schedule:
             return here
         return self._position.get(name)
 
-    def ahead(self, name: str, count: int) -> list[str]:
-        """The count blocks expected after name, wrapping into the next forward (the next token's
-        first blocks are read while this token's last ones and the head compute)."""
+    def ahead(self, name: str, count: int, among: frozenset[str] | None = None) -> list[str]:
+        """The count blocks expected after name (only those in among, when given), wrapping into
+        the next forward (the next token's first blocks are read while this token's last ones and
+        the head compute)."""
         start = self._where(name)
         if start is None or count <= 0:
             return []
         upcoming = []
         for step in range(1, len(self.order)):
             candidate = self.order[(start + step) % len(self.order)]
-            if candidate != name and candidate not in upcoming:
+            if candidate != name and candidate not in upcoming and (among is None or candidate in among):
                 upcoming.append(candidate)
             if len(upcoming) == count:
                 break
