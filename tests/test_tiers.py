@@ -123,7 +123,7 @@ def test_the_plan_is_printed_before_the_run(capsys, monkeypatch, tmp_path, layou
     assert "2 blocks resident on cpu" in plan and "4 layers in host memory" in plan and "layers 0-3" in plan
     assert "4 layers streamed from disk" in plan and "layers 4-7" in plan
     assert any(line.startswith("K/V cache: 4 of 8 layers in host memory") for line in lines)
-    assert any(line.startswith("bound: a step takes at least") for line in lines)
+    assert any(line.startswith("bound: reading") and "GB/s loading read" in line for line in lines)
     assert "batch size: 5 (auto" in result.stderr  # five prompts: the whole input in one pass
     assert len(result.stdout.splitlines()) == 5
 

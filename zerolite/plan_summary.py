@@ -1,17 +1,12 @@
 """The plan in words, printed before a run: which blocks live where, the K/V cache's split, the
-bytes a step streams and the least time that costs.
+bytes a step streams and what that costs at the speed the disk read while loading.
 
     for line in summarize(lm, batch_size=16, tokens=80): print(line)
 """
 
 from __future__ import annotations
 
-import time
-
-from zerolite.io import aligned_empty
 from zerolite.kv_cache import kv_bytes_per_token
-
-PROBE_BYTES = 256 << 20  # enough O_DIRECT reads for a fair speed, little enough to start in a blink
 
 
 def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> list[str]:
@@ -38,29 +33,10 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
 
     if plan.on_disk:
         streamed = sum(manifest.block(name).length for name in plan.on_disk)
-        gbps = probe_read_gbps(executor)
-        lines.append(f"bound: a step takes at least {streamed / (gbps * 1e9):.3f} s, reading {streamed / 1e9:.2f} GB at the "
-                     f"{gbps:.2f} GB/s this disk reads now, or longer if compute takes longer")
+        gbps = executor.load_read_gbps
+        lines.append(f"bound: reading {streamed / 1e9:.2f} GB per step takes {streamed / (gbps * 1e9):.3f} s at the "
+                     f"{gbps:.2f} GB/s loading read; a step takes the longer of that and its compute")
     return lines
-
-
-def probe_read_gbps(executor) -> float:
-    """Reads the first blocks that will stream from disk (up to PROBE_BYTES), all in flight at once
-    as the slots keep them, and times it: the read speed this run can expect."""
-    layout, engine = executor.layout, executor.engine
-    blocks, total = [], 0
-    for name in executor.plan.on_disk:
-        blocks.append(layout.manifest.block(name))
-        total += blocks[-1].length
-        if total >= PROBE_BYTES:
-            break
-    buffers = [aligned_empty(block.length) for block in blocks]
-    for buffer in buffers:
-        buffer.fill_(0)  # fault the pages in now, not inside the timed reads
-    started = time.perf_counter()
-    tickets = [layout.submit_block(block.name, engine, buffer) for block, buffer in zip(blocks, buffers)]
-    finished = max(layout.wait_all(engine, tickets))
-    return total / max(finished - started, 1e-9) / 1e9
 
 
 def layer_list(names) -> str:
