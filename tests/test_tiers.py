@@ -159,7 +159,7 @@ def test_kv_offload_keeps_the_chosen_layers_in_growing_host_buffers(layout):
         assert isinstance(layer, HostLayer) and layer.keys.device.type == "cpu"
         assert layer.get_seq_length() == cache.layers[0].get_seq_length() == 4 + 5  # the last token is never fed back
         buffer = layer._buffers[0]
-        assert buffer.shape[-2] == MIN_TOKENS and layer.keys.data_ptr() == buffer.data_ptr()  # appended in place
+        assert buffer.shape[0] == MIN_TOKENS and layer.keys.data_ptr() == buffer.data_ptr()  # sequence-first, appended in place
 
 
 def test_read_ahead_skips_blocks_that_need_no_transfer():
@@ -170,3 +170,25 @@ def test_read_ahead_skips_blocks_that_need_no_transfer():
     assert schedule.ahead("layers.0", 2, on_disk) == ["layers.2", "layers.3"]  # read on through layers.1, held in memory
     assert schedule.ahead("layers.3", 2, on_disk) == ["layers.2"]  # wraps into the next forward, never itself
     assert schedule.ahead("layers.0", 2) == ["layers.1", "layers.2"]
+
+
+def test_kv_offload_survives_beam_search_reordering(layout):
+    from zerolite.kv_cache import PartialOffloadCache
+
+    ids = torch.tensor([[5, 17, 33, 9], [7, 3, 11, 2]])
+    with zerolite.load(layout, offload="none", device="cpu", show_progress=False) as lm:
+        beams = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+        expected = lm.generate(input_ids=ids, **beams)
+        got = lm.generate(input_ids=ids, past_key_values=PartialOffloadCache(lm.config, 0.5, lm.device), **beams)
+    assert torch.equal(expected, got)
+
+
+def test_sliding_window_layers_keep_their_cache_on_the_device():
+    from transformers import MistralConfig
+
+    from zerolite.kv_cache import offloaded_share
+
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=4096)
+    assert offloaded_share(config, 1.0) == 0.0  # every layer slides: nothing is offloaded, and the plan says so
+    assert offloaded_share(MistralConfig(num_hidden_layers=4, sliding_window=None), 0.5) == 0.5

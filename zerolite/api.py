@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -71,6 +72,11 @@ class OffloadedLM:
         fraction = self.executor.policy.kv_offload
         if fraction > 0 and kwargs.get("past_key_values") is None:
             kwargs["past_key_values"] = PartialOffloadCache(self.model.config, fraction, self.device)
+            config = kwargs.get("generation_config") or self.model.generation_config
+            if getattr(config, "cache_implementation", None) is not None:
+                # generate refuses a cache passed in beside a configured one (Gemma's "hybrid", say)
+                kwargs["generation_config"] = copy.copy(config)
+                kwargs["generation_config"].cache_implementation = None
         try:
             return self.model.generate(*args, **kwargs)
         except BaseException:

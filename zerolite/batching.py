@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from zerolite.errors import ZeroliteError
-from zerolite.kv_cache import kv_bytes_per_token
+from zerolite.kv_cache import kv_bytes_per_token, offloaded_share
 
 MARGIN = 0.10         # of the free memory, kept for the allocator's fragmentation and everything unforeseen
 MAX_BATCH = 4096
@@ -26,7 +26,7 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     dtype = lm.model.dtype
     longest = max(prompt_tokens)
     length = longest + max_new_tokens
-    kv_offload = lm.executor.policy.kv_offload
+    kv_offload = offloaded_share(lm.config, lm.executor.policy.kv_offload) if lm.executor.policy.kv_offload else 0.0
     kv = kv_bytes_per_token(config, dtype) * length                      # per sequence
     hidden = config.hidden_size
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden

@@ -44,7 +44,8 @@ class Budgets:
             in_host = policy.cpu_memory
         else:
             memory = psutil.virtual_memory()
-            in_host = max(memory.available - ring - reserve(memory.total), 0)
+            always = 0 if device.type == "cuda" else sum(b.length for b in manifest.blocks if not b.name.startswith("layers."))
+            in_host = max(memory.available - ring - always - reserve(memory.total), 0)
         return cls(on_device, in_host)
 
 

@@ -53,6 +53,7 @@ class Executor:
         resident = MemoryStore.load(layout, self.engine, list(self.plan.resident), pin=False, progress=progress)
         for name in self.plan.resident:
             self._bindings[name].bind(resident.bytes_of(name).to(self.device))
+        del resident  # on CUDA a host staging copy: freed before the memory tier takes host memory
 
         self.disk = LayoutStore(layout, self.engine)
         memory = MemoryStore.load(layout, self.engine, list(plan.in_memory), pin=self.device.type == "cuda",

@@ -12,6 +12,8 @@ code sees exactly the tensors a DynamicCache would give it: the outputs are the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
@@ -20,13 +22,19 @@ MIN_TOKENS = 256  # the first host buffer's length: appends then rarely realloca
 
 
 class HostLayer(DynamicLayer):
-    """One layer's K/V in host memory; update() hands the attention device tensors, as DynamicLayer does."""
+    """One layer's K/V in host memory; update() hands the attention device tensors, as DynamicLayer does.
+
+    The host buffers are sequence-first, (capacity, batch, heads, head_dim), so that both the
+    appended tokens and the prefix fetched each step are contiguous: pinned memory copies them
+    asynchronously, where a strided slice would be staged through pageable memory and block.
+    self.keys and self.values stay [batch, heads, length, head_dim] views of them, as transformers expects.
+    """
 
     def __init__(self, stream: torch.cuda.Stream | None):
         super().__init__()
         self.stream = stream          # the host-to-device copies' stream on CUDA; None on a CPU device
         self._fetched = None          # (keys, values, ready event) brought to the device ahead of use
-        self._buffers = None          # (keys, values) host buffers with room to grow along the sequence
+        self._buffers = None          # (keys, values) sequence-first host buffers with room to grow
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -41,10 +49,13 @@ class HostLayer(DynamicLayer):
         if self.device.type != "cuda":
             self._fetched = (self.keys, self.values, None)
             return
+        length = self.keys.shape[-2]
+        if not self._has_room(length):
+            self._grow(length)  # a reordered or selected batch: back into sequence-first buffers
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the last appends have landed on the host
         with torch.cuda.stream(self.stream):
-            keys = self.keys.to(self.device, non_blocking=True)
-            values = self.values.to(self.device, non_blocking=True)
+            keys, values = (buffer[:length].to(self.device, non_blocking=True).permute(1, 2, 0, 3)
+                            for buffer in self._buffers)
             ready = torch.cuda.Event()
             ready.record(self.stream)
         self._fetched = (keys, values, ready)
@@ -67,19 +78,18 @@ class HostLayer(DynamicLayer):
         length, extra = self.keys.shape[-2], key_states.shape[-2]
         if not self._has_room(length + extra):
             self._grow(length + extra)
-        keys, values = self._buffers
-        keys[..., length:length + extra, :].copy_(key_states, non_blocking=True)
-        values[..., length:length + extra, :].copy_(value_states, non_blocking=True)
-        self.keys, self.values = keys[..., :length + extra, :], values[..., :length + extra, :]
+        for buffer, states in zip(self._buffers, (key_states, value_states)):
+            buffer[length:length + extra].copy_(states.permute(2, 0, 1, 3), non_blocking=True)
+        self.keys, self.values = (buffer[:length + extra].permute(1, 2, 0, 3) for buffer in self._buffers)
 
     def _has_room(self, length: int) -> bool:
-        """Whether the host buffers hold length tokens and self.keys is still their prefix (a crop
-        keeps it one; a batch reorder makes a new tensor)."""
-        if self._buffers is None:
+        """Whether the host buffers hold length tokens and self.keys is still a view of their
+        prefix (a crop keeps it one; a batch reorder or selection makes a new tensor)."""
+        if self._buffers is None or self._buffers[0].shape[0] < length:
             return False
-        keys = self._buffers[0]
-        return (keys.shape[-2] >= length and keys.data_ptr() == self.keys.data_ptr()
-                and keys.shape[:-2] == self.keys.shape[:-2])
+        view = self._buffers[0][: self.keys.shape[-2]].permute(1, 2, 0, 3)
+        return (self.keys.data_ptr() == view.data_ptr() and self.keys.shape == view.shape
+                and self.keys.stride() == view.stride())
 
     def _grow(self, length: int) -> None:
         self._settle()
@@ -87,17 +97,23 @@ class HostLayer(DynamicLayer):
         capacity = max(2 * length, MIN_TOKENS)
         grown = []
         for old in (self.keys, self.values):
-            buffer = torch.empty((*old.shape[:-2], capacity, old.shape[-1]), dtype=self.dtype, pin_memory=pinned)
-            buffer[..., :old.shape[-2], :].copy_(old)
+            batch, heads, used, head_dim = old.shape
+            buffer = torch.empty((capacity, batch, heads, head_dim), dtype=self.dtype, pin_memory=pinned)
+            buffer[:used].copy_(old.permute(2, 0, 1, 3))
             grown.append(buffer)
         self._buffers = tuple(grown)
-        self.keys, self.values = grown[0][..., :self.keys.shape[-2], :], grown[1][..., :self.values.shape[-2], :]
+        self.keys, self.values = (buffer[:used].permute(1, 2, 0, 3) for buffer in grown)
 
     def _settle(self) -> None:
         """Waits for appends still on their way to the host, before the host copy is read there."""
         self._fetched = None
         if self.is_initialized and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def reset(self) -> None:
+        self._settle()
+        self._buffers = None
+        super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
         self._settle()
@@ -122,8 +138,7 @@ class PartialOffloadCache(DynamicCache):
     def __init__(self, config: PretrainedConfig, fraction: float, device: torch.device):
         super().__init__(config=config)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        eligible = [i for i, layer in enumerate(self.layers) if type(layer) is DynamicLayer]
-        for i in spread(eligible, round(fraction * len(eligible))):
+        for i in host_layers(self.layers, fraction):
             self.layers[i] = HostLayer(stream)
 
     @property
@@ -135,6 +150,19 @@ class PartialOffloadCache(DynamicCache):
         if isinstance(following, HostLayer):
             following.prefetch()  # one layer ahead: its copy runs while this layer's attention does
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def host_layers(layers: list, fraction: float) -> list[int]:
+    """Which layers' K/V live in host memory: that share of the full-attention ones, spread evenly
+    (sliding-window and linear-attention layers keep their small caches on the device)."""
+    eligible = [i for i, layer in enumerate(layers) if type(layer) is DynamicLayer]
+    return spread(eligible, math.ceil(fraction * len(eligible) - 1e-9))
+
+
+def offloaded_share(config: PretrainedConfig, fraction: float) -> float:
+    """The share of all layers whose K/V a PartialOffloadCache of this fraction keeps on the host."""
+    layers = DynamicCache(config=config).layers
+    return len(host_layers(layers, fraction)) / len(layers) if layers else 0.0
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:

@@ -6,7 +6,7 @@ bytes a step streams and what that costs at the speed the disk read while loadin
 
 from __future__ import annotations
 
-from zerolite.kv_cache import kv_bytes_per_token
+from zerolite.kv_cache import kv_bytes_per_token, offloaded_share
 
 
 def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> list[str]:
@@ -26,7 +26,10 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     config = lm.model.config
     layers = config.get_text_config(decoder=True).num_hidden_layers
     fraction = executor.policy.kv_offload
-    kv = f"K/V cache: {round(fraction * layers)} of {layers} layers in host memory"
+    on_host = round(offloaded_share(config, fraction) * layers) if fraction else 0
+    kv = f"K/V cache: {on_host} of {layers} layers in host memory"
+    if fraction and not on_host:
+        kv += " (--kv-offload moves full-attention layers only, and this model has none)"
     if batch_size and tokens:
         kv += f", {batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype) / 1e9:.2f} GB in all at most (batch {batch_size} x {tokens} tokens)"
     lines.append(kv)

@@ -30,7 +30,7 @@ def preflight(layout: Layout, plan: Plan, policy: Policy) -> list[str]:
     host_slots = slots if plan.on_disk else 0
     warnings = []
 
-    host_needed = (0 if on_cuda else resident) + in_memory + host_slots
+    host_needed = max(resident, in_memory + host_slots) if on_cuda else resident + in_memory + host_slots
     available = psutil.virtual_memory().available
     if host_needed > available:
         if policy.offload == "none":

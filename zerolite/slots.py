@@ -102,6 +102,7 @@ class Slots:
                     finished = self.disk.finished(slot.ticket)
                 except ZeroliteError:
                     slot.ticket = None  # spent: a failed read is waited for too
+                    self._forget(slot)
                     raise
                 if finished is not None:
                     slot.ticket = None
@@ -143,12 +144,21 @@ class Slots:
                     self._await(slot)
                 except ZeroliteError:
                     pass
-                self._by_block.pop(slot.block, None)
-                slot.block = None
+                self._forget(slot)
 
     def _await(self, slot: Slot) -> None:
         ticket, slot.ticket = slot.ticket, None  # spent once waited for, whether the read failed or not
-        self._read_done(slot, self.disk.wait(ticket))
+        try:
+            finished = self.disk.wait(ticket)
+        except ZeroliteError:
+            self._forget(slot)
+            raise
+        self._read_done(slot, finished)
+
+    def _forget(self, slot: Slot) -> None:
+        """The slot holds no block any more: a failed read's bytes must never be taken for it."""
+        self._by_block.pop(slot.block, None)
+        slot.block, slot.source, slot.copied = None, None, None
 
     def _read_done(self, slot: Slot, finished: float) -> None:
         entry = self.disk.entry(slot.block)
@@ -164,8 +174,7 @@ class Slots:
             self._await(slot)
         if slot.copied is not None and slot.source is slot.host:
             slot.copied.synchronize()  # the copy engine is still reading the host buffer
-        self._by_block.pop(slot.block, None)
-        slot.block, slot.source, slot.copied = None, None, None
+        self._forget(slot)
 
     def _copy(self, slot: Slot) -> None:
         nbytes = self.memory.entry(slot.block).length
