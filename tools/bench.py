@@ -92,8 +92,8 @@ def main() -> None:
         make_model(Path(args.source), Path(args.layout))
 
     manifest = Layout.open(args.layout).manifest
-    layer_bytes = [b.length for b in manifest.blocks if b.name.startswith("layers.")]
-    half_bytes = sum(sorted(layer_bytes)[: len(layer_bytes) // 2])
+    layer_bytes = sorted(manifest.block(name).length for name in manifest.layer_names)
+    half_bytes = sum(layer_bytes[: len(layer_bytes) // 2])
     streamed = sum(layer_bytes)
     read_gbps = statistics.median(measure_disk(args.layout)["read_gbps"] for _ in range(3))
     console.print(f"disk: {read_gbps:.2f} GB/s O_DIRECT (median of 3, cold); layers {streamed / 1e9:.2f} GB; "

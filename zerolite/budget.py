@@ -30,7 +30,8 @@ class Budgets:
     @classmethod
     def make(cls, manifest: Manifest, policy: Policy) -> Budgets:
         device = policy.torch_device
-        slot = max((b.length for b in manifest.blocks if b.name.startswith("layers.")), default=0)
+        layers = manifest.layer_names
+        slot = max((manifest.block(name).length for name in layers), default=0)
         ring = policy.prefetch_depth * slot
         if device.type == "cuda":
             if policy.gpu_memory is not None:
@@ -44,7 +45,7 @@ class Budgets:
             in_host = policy.cpu_memory
         else:
             memory = psutil.virtual_memory()
-            always = 0 if device.type == "cuda" else sum(b.length for b in manifest.blocks if not b.name.startswith("layers."))
+            always = 0 if device.type == "cuda" else manifest.nbytes(b.name for b in manifest.blocks if b.name not in layers)
             in_host = max(memory.available - ring - always - reserve(memory.total), 0)
         return cls(on_device, in_host)
 

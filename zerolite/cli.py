@@ -40,14 +40,6 @@ KvOffload = Annotated[float, typer.Option(
     "past device memory.")]
 
 
-def memory_policy(gpu_memory: str | None, cpu_memory: str | None, kv_offload: float) -> dict:
-    from zerolite.policy import parse_size
-
-    return dict(gpu_memory=None if gpu_memory is None else parse_size(gpu_memory, "--gpu-memory"),
-                cpu_memory=None if cpu_memory is None else parse_size(cpu_memory, "--cpu-memory"),
-                kv_offload=kv_offload)
-
-
 @app.callback()
 def _options(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
@@ -153,7 +145,7 @@ def generate(
     todo = read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
     sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
     batch = parse_batch_size(batch_size)
-    policy = memory_policy(gpu_memory, cpu_memory, kv_offload)
+    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
 
     with ExitStack() as stack:
         log = stack.enter_context(CompletionLog.open(output)) if output is not None else None
@@ -225,7 +217,7 @@ def profile(
     from zerolite.trace import plot_timeline, write_trace
 
     timeline = Timeline()
-    policy = memory_policy(gpu_memory, cpu_memory, kv_offload)
+    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
     with zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
                        prefetch_depth=prefetch_depth, timeline=timeline, show_progress=not as_json, **policy) as lm:
         if not as_json:

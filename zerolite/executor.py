@@ -58,7 +58,7 @@ class Executor:
         self.disk = LayoutStore(layout, self.engine)
         memory = MemoryStore.load(layout, self.engine, list(plan.in_memory), pin=self.device.type == "cuda",
                                   progress=progress)
-        loaded = sum(manifest.block(name).length for name in plan.loaded)
+        loaded = manifest.nbytes(plan.loaded)
         # The disk's speed as loading saw it: reading blocks again just to time the disk would make
         # some disks (this machine's virtual one) serve the run that follows up to 2x slower.
         self.load_read_gbps = loaded / max(time.perf_counter() - started, 1e-9) / 1e9

@@ -95,10 +95,10 @@ class HostLayer(DynamicLayer):
         self._settle()
         pinned = self.device.type == "cuda"
         capacity = max(2 * length, MIN_TOKENS)
+        batch, heads, used = self.keys.shape[:3]
         grown = []
         for old in (self.keys, self.values):
-            batch, heads, used, head_dim = old.shape
-            buffer = torch.empty((capacity, batch, heads, head_dim), dtype=self.dtype, pin_memory=pinned)
+            buffer = torch.empty((capacity, batch, heads, old.shape[-1]), dtype=self.dtype, pin_memory=pinned)
             buffer[:used].copy_(old.permute(2, 0, 1, 3))
             grown.append(buffer)
         self._buffers = tuple(grown)

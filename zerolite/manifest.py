@@ -77,6 +77,15 @@ class Manifest:
     def data_bytes(self) -> int:
         return self.blocks[-1].offset + self.blocks[-1].length if self.blocks else 0
 
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """The decoder layers' blocks, in order; the others are the embeddings, final norm and head."""
+        return tuple(b.name for b in self.blocks if b.name.startswith("layers."))
+
+    def nbytes(self, names) -> int:
+        """Bytes of the named blocks together."""
+        return sum(self.block(name).length for name in names)
+
     def block(self, name: str) -> BlockEntry:
         for block in self.blocks:
             if block.name == name:

@@ -35,11 +35,11 @@ class Plan:
         names = [block.name for block in manifest.blocks]
         if policy.offload == "none":
             return cls(tuple(names), (), ())
-        layers = [name for name in names if name.startswith("layers.")]
+        layers = list(manifest.layer_names)
         always = [name for name in names if name not in layers]
         widest = max((manifest.block(name).length for name in layers), default=1)
 
-        on_device_room = budgets.device - sum(manifest.block(name).length for name in always)
+        on_device_room = budgets.device - manifest.nbytes(always)
         on_device = layers[: max(on_device_room // widest, 0)]
         rest = layers[len(on_device):]
         in_memory = rest if policy.offload == "cpu" else rest[: budgets.host // widest]

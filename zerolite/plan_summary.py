@@ -14,7 +14,7 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     plan, manifest, device = executor.plan, executor.layout.manifest, lm.device
 
     def size(names) -> str:
-        return f"{sum(manifest.block(name).length for name in names) / 1e9:.2f} GB"
+        return f"{manifest.nbytes(names) / 1e9:.2f} GB"
 
     tiers = [f"{len(plan.resident)} blocks resident on {device} ({size(plan.resident)}: {layer_list(plan.resident)})"]
     if plan.in_memory:
@@ -35,7 +35,7 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     lines.append(kv)
 
     if plan.on_disk:
-        streamed = sum(manifest.block(name).length for name in plan.on_disk)
+        streamed = manifest.nbytes(plan.on_disk)
         gbps = executor.load_read_gbps
         lines.append(f"bound: reading {streamed / 1e9:.2f} GB per step takes {streamed / (gbps * 1e9):.3f} s at the "
                      f"{gbps:.2f} GB/s loading read; a step takes the longer of that and its compute")

@@ -23,10 +23,9 @@ def preflight(layout: Layout, plan: Plan, policy: Policy) -> list[str]:
     manifest = layout.manifest
     device = policy.torch_device
     on_cuda = device.type == "cuda"
-    size = {block.name: block.length for block in manifest.blocks}
-    resident = sum(size[name] for name in plan.resident)
-    in_memory = sum(size[name] for name in plan.in_memory)
-    slots = policy.prefetch_depth * max((size[name] for name in plan.streamed), default=0)
+    resident = manifest.nbytes(plan.resident)
+    in_memory = manifest.nbytes(plan.in_memory)
+    slots = policy.prefetch_depth * max((manifest.block(name).length for name in plan.streamed), default=0)
     host_slots = slots if plan.on_disk else 0
     warnings = []
 

@@ -79,9 +79,9 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
 
     # The link a step waits on: the disk when any layer streams from it, else the copy to the GPU.
     if plan.on_disk:
-        streamed, transfer_gbps = sum(manifest.block(name).length for name in plan.on_disk), read_gbps
+        streamed, transfer_gbps = manifest.nbytes(plan.on_disk), read_gbps
     else:
-        streamed = sum(manifest.block(name).length for name in plan.streamed)
+        streamed = manifest.nbytes(plan.streamed)
         transfer_gbps = h2d_gbps if lm.device.type == "cuda" and plan.streamed else None
     return analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens)
 
