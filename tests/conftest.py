@@ -1,6 +1,34 @@
 import os
 import sys
 
+import pytest
+
 # The tests build tiny models locally; nothing may reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+from simulated_device import SimulatedDevice  # noqa: E402
+from zerolite.device import cuda_available  # noqa: E402
+
+GPUS = ["sim", "cuda"]
+
+
+def pytest_generate_tests(metafunc):
+    """A test marked cuda runs once on the simulated device (everywhere, CI included) and once on
+    a real GPU: the one skip rule, in gpu() below, for where there is none."""
+    if metafunc.definition.get_closest_marker("cuda") and "gpu" in metafunc.fixturenames:
+        metafunc.parametrize("gpu", GPUS, indirect=True)
+
+
+@pytest.fixture
+def gpu(request):
+    """The device a cuda-marked test runs on: "cuda", or a SimulatedDevice whose ledger watches
+    the whole test (an ordering error fails it)."""
+    if request.param == "cuda":
+        if not cuda_available():
+            pytest.skip("needs a CUDA device")
+        yield "cuda"
+        return
+    device = SimulatedDevice(seed=abs(hash(request.node.nodeid)) % 1000)
+    with device.watching():
+        yield device

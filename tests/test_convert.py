@@ -16,6 +16,7 @@ from zerolite.convert import JOURNAL, convert
 from zerolite.errors import ZeroliteError
 from zerolite.io import ALIGNMENT, IoEngine
 from zerolite.layout import Layout
+from zerolite.store import DiskStore
 from zerolite.manifest import MANIFEST
 
 ARCHS = ["llama", "bloom", "opt", "gpt2"]
@@ -30,10 +31,10 @@ def safetensors_tensors(folder) -> dict[str, torch.Tensor]:
 
 
 def read_all(layout: Layout) -> dict[str, torch.Tensor]:
-    engine = IoEngine()
+    disk = DiskStore(layout, IoEngine())
     tensors = {}
     for block in layout.blocks:
-        tensors.update(layout.read_block(block.name, engine, verify=True))
+        tensors.update(disk.read(block.name))
     return tensors
 
 

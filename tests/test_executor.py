@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 import zerolite
 from tiny_models import save_tiny_model
 from zerolite.convert import convert
+from zerolite.errors import ZeroliteError
 from zerolite.layout import Layout
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
@@ -19,8 +20,6 @@ PAD = 0
 # One prompt alone, then a batch of prompts of different lengths, left-padded.
 SINGLE = [[5, 17, 33, 9]]
 BATCH = [[5, 17, 33, 9, 44, 61, 70], [12, 90], [101, 3, 7, 55]]
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # Where the weights and the K/V cache live. "nvme" streams every layer from disk (--cpu-memory 0);
 # "tiers" keeps half the layers in host memory and streams the other half; "kv" variants keep that
@@ -44,8 +43,8 @@ def left_padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def greedy(model_or_lm, rows: list[list[int]], device: str):
-    inputs = {k: v.to(device) for k, v in left_padded(rows).items()}
+def greedy(model_or_lm, rows: list[list[int]], device):
+    inputs = {k: v.to(reference_device(device)) for k, v in left_padded(rows).items()}
     return model_or_lm.generate(
         **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD,
         output_logits=True, return_dict_in_generate=True,
@@ -88,11 +87,16 @@ def half_the_layers(layout, budget: str) -> int:
     return always + sum(b.length for b in blocks if b.name.startswith("layers.")) // 2
 
 
-def check_equal(tiny, setup: dict, depth: int, device: str) -> None:
+def reference_device(device) -> str:
+    """Where transformers runs the reference: the simulated device computes on the CPU."""
+    return device if isinstance(device, str) else "cpu"
+
+
+def check_equal(tiny, setup: dict, depth: int, device) -> None:
     layout, reference = tiny
     setup = {key: half_the_layers(layout, key) if value == "half" else value for key, value in setup.items()}
     with zerolite.load(layout, device=device, prefetch_depth=depth, show_progress=False, **setup) as lm:
-        for expected, rows in zip(reference(device), (SINGLE, BATCH)):
+        for expected, rows in zip(reference(reference_device(device)), (SINGLE, BATCH)):
             assert_same_generation(expected, greedy(lm, rows, device))
 
 
@@ -117,25 +121,23 @@ def test_cpu_generation_with_tiers_and_kv_offload_equals_transformers(tiny, setu
 
 
 @pytest.mark.cuda
-@CUDA
 @pytest.mark.parametrize("depth", [1, 2, 4])
 @pytest.mark.parametrize("setup", SETUPS)
-def test_cuda_generation_equals_transformers(tiny, setup, depth):
-    check_equal(tiny, SETUPS[setup], depth, "cuda")
+def test_gpu_generation_equals_transformers(tiny, setup, depth, gpu):
+    check_equal(tiny, SETUPS[setup], depth, gpu)
 
 
 @pytest.mark.cuda
-@CUDA
 @pytest.mark.parametrize("setup", [*MORE_SETUPS, "gpu-half"])
-def test_cuda_generation_with_tiers_and_kv_offload_equals_transformers(tiny, setup):
+def test_gpu_generation_with_tiers_and_kv_offload_equals_transformers(tiny, setup, gpu):
     """gpu-half: half the layers resident on the GPU, the other half streamed from disk."""
-    check_equal(tiny, MORE_SETUPS.get(setup, dict(offload="nvme", cpu_memory=0, gpu_memory="half")), 2, "cuda")
+    check_equal(tiny, MORE_SETUPS.get(setup, dict(offload="nvme", cpu_memory=0, gpu_memory="half")), 2, gpu)
 
 
 def test_streaming_reads_every_layer_each_forward_and_nothing_when_resident(tiny):
     layout, _ = tiny
     with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=1, show_progress=False) as lm:
-        layer_bytes = sum(b.length for b in lm.executor.layout.blocks if b.name.startswith("layers."))
+        layer_bytes = sum(b.length for b in lm.layout.blocks if b.name.startswith("layers."))
         forwards = greedy(lm, SINGLE, "cpu").sequences.shape[1] - len(SINGLE[0])  # fewer on an end token
         assert lm.bytes_read == forwards * layer_bytes
     for offload in ("cpu", "none"):
@@ -147,8 +149,17 @@ def test_streaming_reads_every_layer_each_forward_and_nothing_when_resident(tiny
 def test_a_failed_forward_leaves_the_model_usable(tiny):
     layout, reference = tiny
     with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", show_progress=False) as lm:
-        with pytest.raises(IndexError):
-            lm.generate(input_ids=torch.tensor([[10_000]]), max_new_tokens=2)  # past the vocabulary
+        with pytest.raises(ZeroliteError, match="vocabulary"):  # checked on the host, before any device work
+            lm.generate(input_ids=torch.tensor([[10_000]]), max_new_tokens=2)
+
+        def fail(*_):
+            raise RuntimeError("a layer failed")
+
+        layer = lm.model.get_submodule(f"{lm.layout.manifest.layers_path}.2")
+        hook = layer.register_forward_pre_hook(fail)  # after the executor's: the layer's slot is taken
+        with pytest.raises(RuntimeError, match="a layer failed"):
+            greedy(lm, SINGLE, "cpu")
+        hook.remove()
         assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
 
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from cli_runner import assert_one_line_error, run
 from tiny_models import save_tiny_model
 from zerolite.convert import convert
+from zerolite.device import cuda_available
 
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 33, 9, 44], [12, 90], [101, 3, 7, 55, 8, 19, 4]]
@@ -164,7 +165,7 @@ def test_bad_options(capsys, monkeypatch, layout, args, fragments):
     assert_one_line_error(result, *fragments)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.skipif(cuda_available(), reason="this machine has CUDA")
 def test_cuda_asked_for_where_there_is_none(capsys, monkeypatch, layout):
     result = run(capsys, monkeypatch, "generate", "hello", "--model", layout, "--device", "cuda")
     assert_one_line_error(result, "no usable CUDA device", "--device cpu")

@@ -14,6 +14,7 @@ from cli_runner import assert_one_line_error, run
 from tiny_models import save_tiny_model
 from zerolite.budget import Budgets
 from zerolite.convert import convert
+from zerolite.device import CpuDevice
 from zerolite.errors import ZeroliteError
 from zerolite.layout import Layout
 from zerolite.kv_cache import spread
@@ -81,10 +82,10 @@ def test_default_budgets_keep_what_fits_in_free_memory(layout, monkeypatch):
     manifest = Layout.open(layout).manifest
     memory = namedtuple("memory", "available total")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=64 << 30, total=64 << 30))
-    roomy = Plan.make(manifest, Policy(device="cpu"), Budgets.make(manifest, Policy(device="cpu")))
+    roomy = Plan.make(manifest, Policy(device="cpu"), Budgets.make(manifest, Policy(device="cpu"), CpuDevice()))
     assert roomy.on_disk == ()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=1 << 30, total=1 << 30))
-    tight = Plan.make(manifest, Policy(device="cpu"), Budgets.make(manifest, Policy(device="cpu")))
+    tight = Plan.make(manifest, Policy(device="cpu"), Budgets.make(manifest, Policy(device="cpu"), CpuDevice()))
     assert len(tight.on_disk) == LAYERS  # less than the 2 GiB reserve is free: everything streams
 
 

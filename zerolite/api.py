@@ -14,12 +14,15 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.budget import Budgets
 from zerolite.checkpoint import quiet_transformers
 from zerolite.convert import JOURNAL, choose_dtype
+from zerolite.device import Device
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
+from zerolite.io import IoEngine
 from zerolite.kv_cache import PartialOffloadCache
 from zerolite.layout import Layout
 from zerolite.manifest import DTYPES, MANIFEST
@@ -34,7 +37,8 @@ class OffloadedLM:
     """A transformers causal LM whose blocks stream from disk or host memory as it runs.
 
     .model is transformers' own model object, .tokenizer its tokenizer (None when the layout has
-    none), .generate takes everything transformers' generate does.
+    none), .generate takes everything transformers' generate does. .plan, .layout, .policy,
+    .device and .load_read_gbps are what the plan printer and the profiler read.
     """
 
     def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float):
@@ -45,8 +49,13 @@ class OffloadedLM:
         self.convert_s = convert_s
 
     @property
-    def device(self) -> torch.device:
+    def device(self) -> Device:
+        """The zerolite Device the model runs on (its streams, memory and events)."""
         return self.executor.device
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self.executor.device.torch_device
 
     @property
     def config(self):
@@ -64,19 +73,46 @@ class OffloadedLM:
     def plan(self) -> Plan:
         return self.executor.plan
 
+    @property
+    def layout(self) -> Layout:
+        return self.executor.layout
+
+    @property
+    def policy(self) -> Policy:
+        return self.executor.policy
+
+    @property
+    def engine(self) -> IoEngine:
+        return self.executor.engine
+
+    @property
+    def load_read_gbps(self) -> float:
+        """How fast the disk read while loading: the plan's bound uses it."""
+        return self.executor.load_read_gbps
+
+    def settle(self) -> None:
+        """Waits for the reads ahead still in flight (a profile puts them on its timeline too)."""
+        self.executor.slots.drain()
+
     def generate(self, *args, **kwargs):
         """transformers' generate, with tensor arguments moved to the model's device and, with
         kv_offload set, a cache that keeps that fraction of the layers' K/V in host memory."""
-        args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
-        kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        check_token_ids(self.model.config, args[0] if args else kwargs.get("input_ids"))
+        refuse_static_cache(self.model, kwargs)
+        args = tuple(a.to(self.torch_device) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.to(self.torch_device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        config = kwargs.get("generation_config") or self.model.generation_config
         fraction = self.executor.policy.kv_offload
-        if fraction > 0 and kwargs.get("past_key_values") is None:
+        offload_kv = fraction > 0 and kwargs.get("past_key_values") is None
+        if not config.disable_compile or (offload_kv and config.cache_implementation is not None):
+            # compiling would capture one forward's weight addresses; and generate refuses a cache
+            # passed in beside a configured one
+            config = kwargs["generation_config"] = copy.copy(config)
+            config.disable_compile = True
+            if offload_kv:
+                config.cache_implementation = None
+        if offload_kv:
             kwargs["past_key_values"] = PartialOffloadCache(self.model.config, fraction, self.device)
-            config = kwargs.get("generation_config") or self.model.generation_config
-            if getattr(config, "cache_implementation", None) is not None:
-                # generate refuses a cache passed in beside a configured one (Gemma's "hybrid", say)
-                kwargs["generation_config"] = copy.copy(config)
-                kwargs["generation_config"].cache_implementation = None
         try:
             return self.model.generate(*args, **kwargs)
         except BaseException:
@@ -93,11 +129,39 @@ class OffloadedLM:
         self.close()
 
 
+def check_token_ids(config, input_ids) -> None:
+    """An id past the vocabulary is checked here, on the host: on a GPU it would be a device-side
+    assert, which poisons the CUDA context, and the recovery would then raise a second error that
+    hides the first."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.numel() == 0:
+        return
+    vocab = config.get_text_config().vocab_size
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        bad = high if high >= vocab else low
+        raise ZeroliteError(f"input_ids hold token id {bad}, but the model's vocabulary has ids 0 to {vocab - 1}: check the prompt's ids")
+
+
+def refuse_static_cache(model, kwargs: dict) -> None:
+    """zerolite rebinds each layer's weights to a slot's bytes at every forward; a static cache is
+    there to capture the forward in CUDA graphs or torch.compile, which would keep the addresses
+    of one forward's slots."""
+    config = kwargs.get("generation_config") or model.generation_config
+    asked = kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)
+    cache = kwargs.get("past_key_values")
+    if asked in ALL_STATIC_CACHE_IMPLEMENTATIONS or (cache is not None and getattr(cache, "is_compileable", False)):
+        raise ZeroliteError(
+            f"a static cache ({asked or type(cache).__name__}) cannot run with streamed weights: zerolite rebinds "
+            "each layer's weights at every forward, which CUDA graphs and torch.compile do not allow; use the default "
+            "dynamic cache"
+        )
+
+
 def load(
     model: str | os.PathLike | None = None,
     offload: str = "nvme",
     path: str | os.PathLike | None = None,
-    device: str = "auto",
+    device: str | Device = "auto",
     dtype: str | None = None,
     allow_pickle: bool = False,
     show_progress: bool = True,
@@ -128,12 +192,14 @@ def load(
             f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
             f"convert into another --path with --dtype {dtype}"
         )
-    plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy))
-    for warning in preflight(layout, plan, policy):
+    target = policy.target()
+    host_cost = target.pinned_cost if target.separate_memory else (lambda nbytes: nbytes)
+    plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy, target), host_cost)
+    for warning in preflight(layout, plan, policy, target):
         print(f"zerolite: warning: {warning}", file=sys.stderr)
     loaded = [layout.manifest.block(name) for name in plan.loaded]
     with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
-        executor = Executor(layout, policy, plan, progress, timeline or NO_TIMELINE)
+        executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE)
     tokenizer = load_tokenizer(layout_folder)
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s)
 

@@ -11,7 +11,6 @@ scores materialised in fp32, as the eager and math attention paths do.
 from __future__ import annotations
 
 import psutil
-import torch
 
 from zerolite.errors import ZeroliteError
 from zerolite.kv_cache import kv_bytes_per_token, offloaded_share
@@ -26,17 +25,19 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     dtype = lm.model.dtype
     longest = max(prompt_tokens)
     length = longest + max_new_tokens
-    kv_offload = offloaded_share(lm.config, lm.executor.policy.kv_offload) if lm.executor.policy.kv_offload else 0.0
+    kv_offload = offloaded_share(lm.config, lm.policy.kv_offload) if lm.policy.kv_offload else 0.0
     kv = kv_bytes_per_token(config, dtype) * length                      # per sequence
     hidden = config.hidden_size
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
     activations = longest * (6 * hidden + 3 * intermediate) * dtype.itemsize + config.num_attention_heads * longest * longest * 4
 
     host_free = psutil.virtual_memory().available * (1 - MARGIN)
-    if lm.device.type == "cuda":
-        device_free = torch.cuda.mem_get_info(lm.device)[0] * (1 - MARGIN)
+    if lm.device.separate_memory:
+        device_free = lm.device.memory()[0] * (1 - MARGIN)
         per_sequence_device = kv * (1 - kv_offload) + activations
-        per_sequence_host = kv * kv_offload
+        # host K/V buffers grow by doubling and are pinned: up to twice the bytes, as pinning rounds them
+        host_kv = int(2 * kv * kv_offload)
+        per_sequence_host = lm.device.pinned_cost(host_kv) if host_kv else 0
     else:
         device_free = host_free
         per_sequence_device, per_sequence_host = kv + activations, 0.0

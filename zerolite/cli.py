@@ -75,6 +75,7 @@ def inspect(
     from zerolite.io import IoEngine, aligned_empty
     from zerolite.layout import Layout
     from zerolite.progress import byte_progress
+    from zerolite.store import DiskStore
 
     layout = Layout.open(path)
     manifest = layout.manifest
@@ -87,11 +88,11 @@ def inspect(
     if not verify:
         stderr.print(table)
         return
-    engine = IoEngine()
+    disk = DiskStore(layout, IoEngine())
     buffer = aligned_empty(max(b.length for b in manifest.blocks))
     with byte_progress("verifying", manifest.data_bytes, len(manifest.blocks)) as progress:
         for block in manifest.blocks:
-            layout.read_block(block.name, engine, buffer, verify=True)
+            disk.read(block.name, buffer)
             progress.advance(block.length)
     typer.echo("every block matches its checksum")
 

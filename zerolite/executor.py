@@ -1,39 +1,43 @@
 """The one loop that runs a transformers model whose weights stream through a ring of slots.
 
 The model is transformers' own, built from the layout's config with its parameters on the meta
-device. Resident blocks are bound once. Each streamed block (a decoder layer) gets a forward
-pre-hook that brings its bytes in and binds them, and a forward hook that unbinds them and frees
-its slot; the model's forward code runs unchanged, so any architecture transformers has works.
+device. Resident blocks are bound once. Each streamed block (a decoder layer) runs inside
+Executor.running(name), entered by a forward pre-hook and left by a forward hook: the model's
+forward code runs unchanged, so any architecture transformers has works.
 
-While block i computes, the blocks the schedule expects next are already being read (and on
-CUDA copied), up to prefetch_depth - 1 ahead.
+While block i computes, the blocks the schedule expects next are already being read (and, where
+the device has memory of its own, copied), up to prefetch_depth - 1 ahead.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from transformers import AutoConfig, GenerationConfig
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.binding import BlockBinding
 from zerolite.checkpoint import build_meta_model
+from zerolite.device import Device
 from zerolite.io import IoEngine
 from zerolite.layout import Layout
 from zerolite.manifest import DTYPES
 from zerolite.plan import Plan
 from zerolite.policy import Policy
+from zerolite.resident import load_resident
 from zerolite.schedule import Schedule
 from zerolite.slots import Slots
-from zerolite.store import LayoutStore, MemoryStore
+from zerolite.store import DiskStore, MemoryStore
 from zerolite.timeline import NO_TIMELINE
 
 GENERATION_CONFIG = "generation_config.json"
 
 
 class Executor:
-    def __init__(self, layout: Layout, policy: Policy, plan: Plan, progress=None, timeline=NO_TIMELINE):
+    def __init__(self, layout: Layout, policy: Policy, plan: Plan, device: Device, progress=None, timeline=NO_TIMELINE):
         """Builds the model and makes it ready to run the plan: resident blocks read and bound, hooks set.
 
         progress (a ByteProgress) is advanced by the bytes read while loading; timeline (a
@@ -42,82 +46,83 @@ class Executor:
         manifest = layout.manifest
         self.layout = layout
         self.policy = policy
-        self.timeline = timeline
-        self.device = policy.torch_device
         self.plan = plan
-        self.model = build_model(layout, self.device)
+        self.device = device
+        self.timeline = timeline
+        timeline.device = device
+        self.model = build_model(layout, device.torch_device)
         self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_block_bytes)
+        self.disk = DiskStore(layout, self.engine)
         self._bindings = {block.name: BlockBinding(self.model, block, manifest.aliases) for block in manifest.blocks}
 
         started = time.perf_counter()
-        resident = MemoryStore.load(layout, self.engine, list(self.plan.resident), pin=False, progress=progress)
-        for name in self.plan.resident:
-            self._bindings[name].bind(resident.bytes_of(name).to(self.device))
-        del resident  # on CUDA a host staging copy: freed before the memory tier takes host memory
-
-        self.disk = LayoutStore(layout, self.engine)
-        memory = MemoryStore.load(layout, self.engine, list(plan.in_memory), pin=self.device.type == "cuda",
-                                  progress=progress)
-        loaded = manifest.nbytes(plan.loaded)
+        for name, data in load_resident(self.disk, plan.resident, device, progress):
+            self._bindings[name].bind(data)
+        memory = MemoryStore.load(self.disk, list(plan.in_memory), device.pinned_empty, progress)
+        self._loaded_bytes = self.disk.bytes_read
         # The disk's speed as loading saw it: reading blocks again just to time the disk would make
-        # some disks (this machine's virtual one) serve the run that follows up to 2x slower.
-        self.load_read_gbps = loaded / max(time.perf_counter() - started, 1e-9) / 1e9
+        # some disks (virtual ones) serve the run that follows up to 2x slower.
+        self.load_read_gbps = self._loaded_bytes / max(time.perf_counter() - started, 1e-9) / 1e9
         slot_bytes = max((manifest.block(name).length for name in plan.streamed), default=0)
-        self.slots = Slots(self.disk if plan.on_disk else None, memory, policy.prefetch_depth, self.device,
+        self.slots = Slots(manifest, self.disk if plan.on_disk else None, memory, policy.prefetch_depth, device,
                            slot_bytes, timeline)
-        self.schedule = Schedule(list(self.plan.streamed))
-        # What the ring reads ahead: blocks that need a transfer. On a CPU device a block held in
-        # host memory needs none, so the disk reads on through such layers instead of idling.
-        self._transferred = frozenset(plan.on_disk if self.device.type == "cpu" else plan.streamed)
-        self._running: dict[str, object] = {}  # block -> its open compute span
+        self.schedule = Schedule(list(plan.streamed))
+        # What the ring reads ahead: blocks that need a transfer. Where host memory is the device's,
+        # a block held there needs none, so the disk reads on through such layers instead of idling.
+        self._transferred = frozenset(plan.streamed if device.separate_memory else plan.on_disk)
+        self._running: dict[str, object] = {}  # block -> its running() context, entered and not yet left
         self._step = None
         self._steps = 0
         self._hooks = []
-        for name in self.plan.streamed:
+        for name in plan.streamed:
             module = self.model.get_submodule(f"{manifest.layers_path}.{name.removeprefix('layers.')}")
-            self._hooks.append(module.register_forward_pre_hook(self._hook_before(name)))
-            self._hooks.append(module.register_forward_hook(self._hook_after(name)))
+            self._hooks.append(module.register_forward_pre_hook(self._enter(name)))
+            self._hooks.append(module.register_forward_hook(self._leave(name)))
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._start_step()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end_step()))
 
     @property
     def bytes_read(self) -> int:
-        """Bytes streamed from disk since the executor was made (loading excluded)."""
-        return self.disk.bytes_read
+        """Bytes streamed from disk since loading finished."""
+        return self.disk.bytes_read - self._loaded_bytes
 
-    def _hook_before(self, name: str):
-        def before(module: nn.Module, args) -> None:
-            self.before_block(name)
+    @contextmanager
+    def running(self, name: str):
+        """One streamed block's turn, the whole per-layer pipeline in one place:
 
-        return before
-
-    def _hook_after(self, name: str):
-        def after(module: nn.Module, args, output) -> None:
-            self.after_block(name)
-
-        return after
-
-    def before_block(self, name: str) -> None:
-        """1. ask for this block and the ones the schedule expects next: their reads start now
-        2. queue copies for reads already finished (CUDA), so they overlap this block's compute
+        1. ask for this block and the ones the schedule expects next: their reads start now
+        2. queue copies for reads already finished, so they overlap this block's compute
         3. wait for this block's bytes and bind them into its modules
+        4. the block's forward runs (the body), on the compute span
+        5. unbind and release the slot (on a GPU the next copy into it waits for this compute)
         """
         self.schedule.ran(name)
         self.slots.want([name] + self.schedule.ahead(name, self.policy.prefetch_depth - 1, self._transferred))
         self.slots.advance()
-        with self.timeline.span("wait", name):
-            self._bindings[name].bind(self.slots.wait(name))
-        compute = self.timeline.span("compute", name, stream=self._compute_stream())
-        compute.__enter__()  # closed by after_block: the block's forward runs in between
-        self._running[name] = compute
+        self._bindings[name].bind(self.slots.wait(name))
+        try:
+            with self.timeline.span("compute", name, stream=self.device.compute_stream()):
+                yield
+        finally:
+            self._bindings[name].unbind()
+            self.slots.release(name)
 
-    def after_block(self, name: str) -> None:
-        self._running.pop(name).__exit__(None, None, None)
-        self._bindings[name].unbind()
-        self.slots.release(name)
+    def _enter(self, name: str):
+        def before(module: nn.Module, args) -> None:
+            context = self.running(name)
+            context.__enter__()
+            self._running[name] = context
+
+        return before
+
+    def _leave(self, name: str):
+        def after(module: nn.Module, args, output) -> None:
+            self._running.pop(name).__exit__(None, None, None)
+
+        return after
 
     def _start_step(self) -> None:
-        self._step = self.timeline.span("step", f"step {self._steps}", stream=self._compute_stream())
+        self._step = self.timeline.span("step", f"step {self._steps}", stream=self.device.compute_stream())
         self._step.__enter__()
 
     def _end_step(self) -> None:
@@ -126,27 +131,29 @@ class Executor:
         self._steps += 1
         self.schedule.end_forward()
 
-    def _compute_stream(self) -> torch.cuda.Stream | None:
-        """Where compute is queued: timed there on CUDA, on the host clock otherwise."""
-        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" and self.timeline.enabled else None
-
     def recover(self) -> None:
         """After a forward that raised half-way: unbind what was running and free its slots."""
         for name in list(self._running):
-            self.after_block(name)
+            self._running.pop(name).__exit__(None, None, None)
         if self._step is not None:
             self._end_step()
 
     def close(self) -> None:
-        """Waits for reads still in flight (prefetches for a forward that never came) and unhooks."""
-        self.slots.drain()
+        """Waits for reads in flight and orders compute after copies in flight (prefetches for a
+        forward that never came), then unhooks."""
+        self.slots.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
 
 
 def build_model(layout: Layout, device: torch.device) -> nn.Module:
-    """transformers' model for the layout's config: parameters on meta, buffers real on device."""
+    """transformers' model for the layout's config: parameters on meta, buffers real on device.
+
+    Compilation and CUDA graphs are off: they capture the addresses of the weights, which change
+    every time a slot is rebound. A static cache that a config asks for by default (Gemma-2's
+    "hybrid") gives way to the dynamic one, which zerolite's K/V offload also builds on.
+    """
     config = AutoConfig.from_pretrained(layout.folder)
     model = build_meta_model(config, DTYPES[layout.manifest.dtype], real_buffers=True)
     model.eval()
@@ -157,4 +164,7 @@ def build_model(layout: Layout, device: torch.device) -> nn.Module:
                 module._buffers[name] = buffer.to(device)
     if (layout.folder / GENERATION_CONFIG).is_file():
         model.generation_config = GenerationConfig.from_pretrained(layout.folder)
+    model.generation_config.disable_compile = True
+    if model.generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+        model.generation_config.cache_implementation = None
     return model

@@ -152,8 +152,7 @@ def generate_all(
             on_batch(completions)
     stats.bytes_read = lm.bytes_read - bytes_before
     stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if lm.device.type == "cuda":
-        stats.peak_device_bytes = torch.cuda.max_memory_allocated(lm.device)
+    stats.peak_device_bytes = lm.device.peak_allocated()
     return stats
 
 

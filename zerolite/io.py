@@ -29,17 +29,13 @@ def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
     return -(-nbytes // alignment) * alignment
 
 
-def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """An uninitialised uint8 tensor of nbytes whose first byte is 4 KiB aligned.
-
-    With pin=True and CUDA present the memory is page-locked, so copies to the GPU run at full
-    PCIe speed without a staging copy.
-    """
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 host tensor of nbytes whose first byte is 4 KiB aligned (pinned
+    memory for a GPU comes from the device: zerolite.device)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    pin = pin and torch.cuda.is_available()
     # Over-allocate by one alignment and slice: the view keeps the whole allocation alive.
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGNMENT
     return raw[skip : skip + nbytes]
 
@@ -100,6 +96,18 @@ class IoEngine:
         if finished is None:
             raise TimeoutError(f"read {ticket} has not finished after {timeout_s} s")
         del self._destinations[ticket]
+        return finished
+
+    def poll(self, ticket: int) -> float | None:
+        """When the ticket's read finished (it is then spent, as after wait), or None while it runs;
+        never blocks. Raises OSError as wait does."""
+        try:
+            finished = self._engine.wait(ticket, 0.0)
+        except OSError:
+            self._destinations.pop(ticket, None)
+            raise
+        if finished is not None:
+            del self._destinations[ticket]
         return finished
 
     def read(self, path: str | os.PathLike, dst: torch.Tensor, file_offset: int = 0) -> torch.Tensor:

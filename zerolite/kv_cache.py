@@ -1,12 +1,13 @@
 """The K/V cache, partly in host memory: a transformers Cache whose chosen layers keep their keys and
 values on the host between uses (pinned on CUDA), so the batch can grow past device memory.
 
-    cache = PartialOffloadCache(model.config, fraction=0.5, device=torch.device("cuda"))
+    cache = PartialOffloadCache(model.config, fraction=0.5, device=zerolite.device.resolve("cuda"))
     model.generate(**batch, past_key_values=cache)
 
 An offloaded layer's K/V are copied to the device one layer ahead of use, on a stream of their
 own, and each step's new keys and values are appended to the host copy in place (its buffer grows
-by doubling), so a step moves the layer's K/V in once and only the new tokens out. The attention
+by doubling), so a step moves the layer's K/V in once and only the new tokens out. Each fetch
+waits only for that layer's last appends, not for all the compute queued before it. The attention
 code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
 """
 
@@ -17,6 +18,8 @@ import math
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
+
+from zerolite.device import Device
 
 MIN_TOKENS = 256  # the first host buffer's length: appends then rarely reallocate
 
@@ -30,11 +33,14 @@ class HostLayer(DynamicLayer):
     self.keys and self.values stay [batch, heads, length, head_dim] views of them, as transformers expects.
     """
 
-    def __init__(self, stream: torch.cuda.Stream | None):
+    def __init__(self, host: Device, stream):
         super().__init__()
-        self.stream = stream          # the host-to-device copies' stream on CUDA; None on a CPU device
+        self.host = host              # the zerolite Device: its streams, events and pinned memory
+        self.stream = stream          # the host-to-device copies' stream; None where memory is shared
         self._fetched = None          # (keys, values, ready event) brought to the device ahead of use
         self._buffers = None          # (keys, values) sequence-first host buffers with room to grow
+        self._appended = None         # event: this layer's last appends have landed in the host buffers
+        self._fetch_done = None       # event: the last fetch has finished reading the host buffers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -43,21 +49,19 @@ class HostLayer(DynamicLayer):
         self.is_initialized = True
 
     def prefetch(self) -> None:
-        """Starts bringing the K/V to the device (nothing to move on a CPU device)."""
+        """Starts bringing the K/V to the device (nothing to move where memory is shared)."""
         if not self.is_initialized or self._fetched is not None:
             return
-        if self.device.type != "cuda":
+        if not self.host.separate_memory:
             self._fetched = (self.keys, self.values, None)
             return
         length = self.keys.shape[-2]
         if not self._has_room(length):
             self._grow(length)  # a reordered or selected batch: back into sequence-first buffers
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the last appends have landed on the host
-        with torch.cuda.stream(self.stream):
-            keys, values = (buffer[:length].to(self.device, non_blocking=True).permute(1, 2, 0, 3)
-                            for buffer in self._buffers)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
+        if self._appended is not None:
+            self.host.wait_event(self.stream, self._appended)  # this layer's last appends have landed
+        keys, values = (self.host.to_device(buffer[:length], self.stream).permute(1, 2, 0, 3) for buffer in self._buffers)
+        ready = self._fetch_done = self.host.record(self.stream)
         self._fetched = (keys, values, ready)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -67,10 +71,10 @@ class HostLayer(DynamicLayer):
         keys, values, ready = self._fetched
         self._fetched = None
         if ready is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(ready)
-            keys.record_stream(current)  # made on the copy stream, used and freed on this one
-            values.record_stream(current)
+            compute = self.host.compute_stream()
+            self.host.wait_event(compute, ready)
+            self.host.keep_alive(keys, compute)  # made on the copy stream, used and freed on this one
+            self.host.keep_alive(values, compute)
         self._append(key_states, value_states)
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
@@ -78,8 +82,10 @@ class HostLayer(DynamicLayer):
         length, extra = self.keys.shape[-2], key_states.shape[-2]
         if not self._has_room(length + extra):
             self._grow(length + extra)
+        compute = self.host.compute_stream()
         for buffer, states in zip(self._buffers, (key_states, value_states)):
-            buffer[length:length + extra].copy_(states.permute(2, 0, 1, 3), non_blocking=True)
+            self.host.copy(buffer[length:length + extra], states.permute(2, 0, 1, 3), compute)
+        self._appended = self.host.record(compute)
         self.keys, self.values = (buffer[:length + extra].permute(1, 2, 0, 3) for buffer in self._buffers)
 
     def _has_room(self, length: int) -> bool:
@@ -93,22 +99,25 @@ class HostLayer(DynamicLayer):
 
     def _grow(self, length: int) -> None:
         self._settle()
-        pinned = self.device.type == "cuda"
         capacity = max(2 * length, MIN_TOKENS)
         batch, heads, used = self.keys.shape[:3]
         grown = []
         for old in (self.keys, self.values):
-            buffer = torch.empty((capacity, batch, heads, old.shape[-1]), dtype=self.dtype, pin_memory=pinned)
+            shape = (capacity, batch, heads, old.shape[-1])
+            buffer = self.host.pinned_empty(math.prod(shape) * self.dtype.itemsize).view(self.dtype).view(shape)
             buffer[:used].copy_(old.permute(2, 0, 1, 3))
             grown.append(buffer)
         self._buffers = tuple(grown)
         self.keys, self.values = (buffer[:used].permute(1, 2, 0, 3) for buffer in grown)
 
     def _settle(self) -> None:
-        """Waits for appends still on their way to the host, before the host copy is read there."""
+        """Waits for this layer's appends still on their way to the host, and for a fetch still
+        reading the host buffers, before the host copy is read or replaced there; a fetch not yet
+        used is dropped."""
         self._fetched = None
-        if self.is_initialized and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        for event in (self._appended, self._fetch_done):
+            if event is not None:
+                event.synchronize()
 
     def reset(self) -> None:
         self._settle()
@@ -135,20 +144,22 @@ class HostLayer(DynamicLayer):
 class PartialOffloadCache(DynamicCache):
     """A DynamicCache with a fraction of its full-attention layers in host memory, spread evenly."""
 
-    def __init__(self, config: PretrainedConfig, fraction: float, device: torch.device):
+    def __init__(self, config: PretrainedConfig, fraction: float, device: Device):
         super().__init__(config=config)
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        stream = device.new_stream() if device.separate_memory else None
         for i in host_layers(self.layers, fraction):
-            self.layers[i] = HostLayer(stream)
+            self.layers[i] = HostLayer(device, stream)
 
     @property
     def offloaded(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if isinstance(layer, HostLayer)]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        following = self.layers[(layer_idx + 1) % len(self.layers)]
+        # One layer ahead, its copy running while this layer's attention does. Not past the last
+        # layer: a fetch for a step that may never come would outlive generate.
+        following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
         if isinstance(following, HostLayer):
-            following.prefetch()  # one layer ahead: its copy runs while this layer's attention does
+            following.prefetch()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 

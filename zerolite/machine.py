@@ -10,8 +10,7 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
+from zerolite.device import Device
 from zerolite.errors import ZeroliteError
 from zerolite.io import ALIGNMENT, IoEngine, aligned_empty
 from zerolite.manifest import DATA_FILE, MANIFEST
@@ -99,18 +98,21 @@ def drop_page_cache() -> bool:
         return False
 
 
-def measure_host_to_device(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
-    """Pinned host-to-device copy bandwidth in GB/s, best of repeats; None without CUDA."""
-    if device.type != "cuda":
+def measure_host_to_device(device: Device, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
+    """Pinned host-to-device copy bandwidth in GB/s, best of repeats; None where host memory is the
+    device's. Timed by events on a stream of the measured device itself."""
+    if not device.separate_memory:
         return None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = device.pinned_empty(nbytes)
+    target = device.empty(nbytes)
+    stream = device.new_stream()
     best = 0.0
     for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        target.copy_(host, non_blocking=True)
-        end.record()
+        begin = device.record(stream, timing=True)
+        device.copy(target, host, stream)
+        end = device.record(stream, timing=True)
         end.synchronize()
-        best = max(best, nbytes / (begin.elapsed_time(end) / 1e3) / 1e9)
-    return round(best, 3)
+        seconds = begin.elapsed_time(end) / 1e3
+        if seconds > 0:
+            best = max(best, nbytes / seconds / 1e9)
+    return round(best, 3) if best else None

@@ -28,10 +28,13 @@ class Plan:
     on_disk: tuple[str, ...]    # the streamed blocks read from the layout at every forward
 
     @classmethod
-    def make(cls, manifest: Manifest, policy: Policy, budgets: Budgets) -> Plan:
+    def make(cls, manifest: Manifest, policy: Policy, budgets: Budgets, host_cost=lambda nbytes: nbytes) -> Plan:
         """The embeddings, the head and the final norm run at every step and are small beside the
         layers: always resident. Layers go to the device while its budget lasts, then (with
-        --offload nvme) to host memory while that budget lasts; the rest stay on disk."""
+        --offload nvme) to host memory while that budget lasts; the rest stay on disk.
+
+        host_cost(nbytes) is the host memory a layer of nbytes really takes there (pinned memory
+        is rounded: Device.pinned_cost)."""
         names = [block.name for block in manifest.blocks]
         if policy.offload == "none":
             return cls(tuple(names), (), ())
@@ -42,7 +45,7 @@ class Plan:
         on_device_room = budgets.device - manifest.nbytes(always)
         on_device = layers[: max(on_device_room // widest, 0)]
         rest = layers[len(on_device):]
-        in_memory = rest if policy.offload == "cpu" else rest[: budgets.host // widest]
+        in_memory = rest if policy.offload == "cpu" else rest[: budgets.host // host_cost(widest)]
         resident = tuple(name for name in names if name in always or name in on_device)
         return cls(resident, tuple(rest), tuple(rest[len(in_memory):]))
 

@@ -10,8 +10,7 @@ from zerolite.kv_cache import kv_bytes_per_token, offloaded_share
 
 
 def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> list[str]:
-    executor = lm.executor
-    plan, manifest, device = executor.plan, executor.layout.manifest, lm.device
+    plan, manifest, device = lm.plan, lm.layout.manifest, lm.device.name
 
     def size(names) -> str:
         return f"{manifest.nbytes(names) / 1e9:.2f} GB"
@@ -25,7 +24,7 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
 
     config = lm.model.config
     layers = config.get_text_config(decoder=True).num_hidden_layers
-    fraction = executor.policy.kv_offload
+    fraction = lm.policy.kv_offload
     on_host = round(offloaded_share(config, fraction) * layers) if fraction else 0
     kv = f"K/V cache: {on_host} of {layers} layers in host memory"
     if fraction and not on_host:
@@ -36,7 +35,7 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
 
     if plan.on_disk:
         streamed = manifest.nbytes(plan.on_disk)
-        gbps = executor.load_read_gbps
+        gbps = lm.load_read_gbps
         lines.append(f"bound: reading {streamed / 1e9:.2f} GB per step takes {streamed / (gbps * 1e9):.3f} s at the "
                      f"{gbps:.2f} GB/s loading read; a step takes the longer of that and its compute")
     return lines

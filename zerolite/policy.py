@@ -10,8 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from zerolite.device import Device, cuda_available, resolve
 from zerolite.errors import ZeroliteError
 
 OFFLOAD_CHOICES = ("nvme", "cpu", "none")
@@ -21,7 +20,8 @@ OFFLOAD_CHOICES = ("nvme", "cpu", "none")
 class Policy:
     offload: str = "nvme"              # "nvme": stream blocks from the layout on disk; "cpu": hold them in
                                        # host memory (pinned on CUDA); "none": every block resident
-    device: str = "auto"               # "cuda", "cpu", or "auto" (cuda when available)
+    device: object = "auto"            # "cuda", "cuda:N", "cpu", "auto" (cuda when available), or a
+                                       # zerolite.device.Device (the tests' simulated one)
     prefetch_depth: int = 2            # slots in the ring: 1 reads then computes, 2 reads block i+1
                                        # while block i computes (double buffering), n reads n-1 ahead
     io_backend: str = "auto"           # the engine's backend: "io_uring", "pread" or "auto"
@@ -34,13 +34,14 @@ class Policy:
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
             raise ZeroliteError(f"unknown --offload {self.offload!r}: choose one of {', '.join(OFFLOAD_CHOICES)}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ZeroliteError(f"unknown --device {self.device!r}: choose cuda, cpu or auto")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ZeroliteError(
-                f"--device {self.device} asked for, but this machine has no usable CUDA device "
-                "(torch.cuda.is_available() is False): use --device cpu"
-            )
+        if isinstance(self.device, str):
+            if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]+", self.device):
+                raise ZeroliteError(f"unknown --device {self.device!r}: choose cuda, cuda:N, cpu or auto")
+            if self.device.startswith("cuda") and not cuda_available():
+                raise ZeroliteError(
+                    f"--device {self.device} asked for, but this machine has no usable CUDA device "
+                    "(PyTorch sees no CUDA device): use --device cpu"
+                )
         if self.prefetch_depth < 1:
             raise ZeroliteError(f"--prefetch-depth must be at least 1, got {self.prefetch_depth}")
         for flag, budget in (("--gpu-memory", self.gpu_memory), ("--cpu-memory", self.cpu_memory)):
@@ -50,11 +51,9 @@ class Policy:
             raise ZeroliteError(f"--kv-offload is the fraction of layers whose K/V cache lives in host memory: "
                                 f"give a number from 0 to 1, not {self.kv_offload}")
 
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+    def target(self) -> Device:
+        """The Device the policy runs on."""
+        return resolve(self.device)
 
 
 SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -8,56 +8,58 @@ from __future__ import annotations
 
 import errno
 import os
-import resource
 
 import psutil
-import torch
 
+from zerolite.device import Device
 from zerolite.errors import ZeroliteError
 from zerolite.layout import Layout
 from zerolite.plan import Plan
 from zerolite.policy import Policy
+from zerolite.resident import STAGING_BYTES
 
 
-def preflight(layout: Layout, plan: Plan, policy: Policy) -> list[str]:
+def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device) -> list[str]:
     manifest = layout.manifest
-    device = policy.torch_device
-    on_cuda = device.type == "cuda"
+    separate = device.separate_memory
     resident = manifest.nbytes(plan.resident)
-    in_memory = manifest.nbytes(plan.in_memory)
-    slots = policy.prefetch_depth * max((manifest.block(name).length for name in plan.streamed), default=0)
-    host_slots = slots if plan.on_disk else 0
+    slot = max((manifest.block(name).length for name in plan.streamed), default=0)
+    host_slots = policy.prefetch_depth * device.pinned_cost(slot) if plan.on_disk else 0
     warnings = []
 
-    host_needed = max(resident, in_memory + host_slots) if on_cuda else resident + in_memory + host_slots
     available = psutil.virtual_memory().available
+    if separate:
+        # Host memory holds pinned bytes only: the staging resident blocks pass through while
+        # loading, then the memory tier and the ring's read buffers. Pinned memory cannot be
+        # swapped out, so it is checked against what is physically available, at what pinning
+        # really takes (RLIMIT_MEMLOCK does not bound cudaHostRegister, so it says nothing here).
+        in_memory = sum(device.pinned_cost(manifest.block(name).length) for name in plan.in_memory)
+        staging = 2 * device.pinned_cost(STAGING_BYTES) if plan.resident else 0
+        host_needed = max(staging, in_memory + host_slots)
+        what = "pins"
+    else:
+        host_needed = resident + manifest.nbytes(plan.in_memory) + host_slots
+        what = "holds"
     if host_needed > available:
         if policy.offload == "none":
             fix = "use --offload nvme to stream the layers from disk"
         elif policy.offload == "cpu":
             fix = "use --offload nvme to stream the layers that do not fit from disk"
-        elif policy.cpu_memory is not None and in_memory:
+        elif policy.cpu_memory is not None and plan.in_memory:
             fix = "lower --cpu-memory"
         else:
             fix = "lower --prefetch-depth"
         raise ZeroliteError(
-            f"this plan holds {host_needed / 1e9:.1f} GB in host memory but {available / 1e9:.1f} GB is available: {fix}"
+            f"this plan {what} {host_needed / 1e9:.1f} GB in host memory but {available / 1e9:.1f} GB is available: {fix}"
         )
 
-    if on_cuda:
-        free, _ = torch.cuda.mem_get_info(device)
-        device_needed = resident + slots
+    if separate:
+        free, _ = device.memory()
+        device_needed = resident + policy.prefetch_depth * slot
         if device_needed > free:
             raise ZeroliteError(
-                f"this plan puts {device_needed / 1e9:.1f} GB on {device} but {free / 1e9:.1f} GB is free: "
+                f"this plan puts {device_needed / 1e9:.1f} GB on {device.name} but {free / 1e9:.1f} GB is free: "
                 + ("lower --gpu-memory" if policy.gpu_memory is not None else "lower --prefetch-depth, or free the GPU")
-            )
-        pinned = in_memory + host_slots
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft != resource.RLIM_INFINITY and pinned > soft:
-            warnings.append(
-                f"RLIMIT_MEMLOCK is {soft / 1e6:.0f} MB and this plan pins {pinned / 1e9:.1f} GB of host memory: "
-                "if pinning fails, raise the limit (ulimit -l unlimited)"
             )
 
     if plan.on_disk and not supports_direct_io(layout.data_path):

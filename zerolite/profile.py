@@ -59,21 +59,20 @@ class Report:
 def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens: int, prompt_tokens: int,
                 seed: int = 0) -> Report:
     """Generates new_tokens for a batch of random prompts on the timeline, then measures the machine."""
-    executor = lm.executor
-    manifest = executor.layout.manifest
-    plan = executor.plan
+    manifest = lm.layout.manifest
+    plan = lm.plan
     vocab = lm.model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (batch_size, prompt_tokens), generator=generator)
     timeline.spans.clear()
     lm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    executor.slots.drain()  # the last reads ahead land on the timeline too
+    lm.settle()  # the last reads ahead land on the timeline too
     timeline.resolve()
     # Measured after the run, not before: reading the whole layout first changes how fast this
     # machine's virtual disk then serves the run (steps up to 2x slower here).
     read_gbps = max(
-        measure_disk(executor.layout.folder, engine=executor.engine)["read_gbps"] for _ in range(DISK_RUNS)
+        measure_disk(lm.layout.folder, engine=lm.engine)["read_gbps"] for _ in range(DISK_RUNS)
     ) if plan.on_disk else None
     h2d_gbps = measure_host_to_device(lm.device)
 
@@ -82,7 +81,7 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
         streamed, transfer_gbps = manifest.nbytes(plan.on_disk), read_gbps
     else:
         streamed = manifest.nbytes(plan.streamed)
-        transfer_gbps = h2d_gbps if lm.device.type == "cuda" and plan.streamed else None
+        transfer_gbps = h2d_gbps if lm.device.separate_memory and plan.streamed else None
     return analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens)
 
 
@@ -99,9 +98,9 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
     io = streamed / (transfer_gbps * 1e9) if transfer_gbps else 0.0
     compute = max(step - wait, 0.0)
     bound = max(io, compute)
-    policy = lm.executor.policy
+    policy = lm.policy
     report = Report(
-        device=str(lm.device), offload=policy.offload, prefetch_depth=policy.prefetch_depth,
+        device=lm.device.name, offload=policy.offload, prefetch_depth=policy.prefetch_depth,
         batch_size=batch_size, new_tokens=new_tokens, read_gbps=read_gbps, h2d_gbps=h2d_gbps,
         streamed_bytes_per_step=streamed, prefill_s=round(steps[0].duration, 4), step_s=[round(s, 4) for s in step_s],
         decode_step_s=round(step, 4), wait_s=round(wait, 4), link_busy=round(median(busy), 3),
@@ -110,8 +109,8 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
         share_of_bound=round(bound / step, 3) if step else 0.0, overlap=round(step / bound, 3) if bound else 1.0,
         bottleneck="", verdict="",
     )
-    engine = lm.executor.engine
-    judge(report, transfer_gbps, "disk" if lm.executor.plan.on_disk else "copy", engine.queue_depth * engine.block_bytes)
+    engine = lm.engine
+    judge(report, transfer_gbps, "disk" if lm.plan.on_disk else "copy", engine.queue_depth * engine.block_bytes)
     return report
 
 

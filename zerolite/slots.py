@@ -1,16 +1,17 @@
 """The ring of buffers streamed blocks pass through on their way to compute.
 
-    slots = Slots(disk, memory, depth=2, device=torch.device("cuda"))
+    slots = Slots(manifest, disk, memory, depth=2, device=CudaDevice(torch.device("cuda")), slot_bytes=n)
     slots.want(["layers.3", "layers.4"]) # reads (and copies) begin; returns at once
     data = slots.wait("layers.3")        # the block's bytes where compute can use them
     ...                                  # run the block
     slots.release("layers.3")            # its slot may be refilled once compute is done with it
 
 A slot holds one block. Its bytes come from its home: a block on disk is read by the engine into
-the slot's host buffer (pinned on CUDA); a block in host memory already has them there. On CUDA
-they are then copied into the slot's device buffer on a separate stream, ordered by events:
-compute waits for the copy, the next copy into the slot waits for compute. On a CPU device the
-host bytes are what compute uses: no copy at all.
+the slot's host buffer (pinned on a GPU); a block in host memory already has them there. Where the
+device's memory is separate (a GPU) they are then copied into the slot's device buffer on a stream
+of their own, ordered by events: compute waits for the copy, the next copy into the slot waits for
+compute, and the engine reads into a host buffer only once the copy from it is done. On a CPU
+device the host bytes are what compute uses: no copy at all.
 
 Slots never decide which block comes next; the executor does.
 """
@@ -22,46 +23,47 @@ from dataclasses import dataclass
 
 import torch
 
+from zerolite.device import Device
 from zerolite.errors import ZeroliteError
-from zerolite.io import aligned_empty
-from zerolite.store import LayoutStore, MemoryStore
+from zerolite.manifest import Manifest
+from zerolite.store import DiskStore, MemoryStore
 from zerolite.timeline import NO_TIMELINE
 
 
 @dataclass(eq=False)
 class Slot:
     host: torch.Tensor | None            # the read target, for a disk home
-    device: torch.Tensor | None          # the copy target, on CUDA
+    device: torch.Tensor | None          # the copy target, where device memory is separate
     block: str | None = None
     source: torch.Tensor | None = None   # where the block's bytes are in host memory
     ticket: int | None = None            # engine read into host, not yet waited for
     submitted: float = 0.0               # when that read was submitted (perf_counter)
-    copied: torch.cuda.Event | None = None    # set once the host-to-device copy is issued
-    computed: torch.cuda.Event | None = None  # compute's last use of the device buffer
+    copied: object | None = None         # the device's event for the host-to-device copy, once queued
+    computed: object | None = None       # ... and for compute's last use of the device buffer
     in_use: bool = False
     started: int = 0                     # for picking the longest-idle slot to refill
 
 
 class Slots:
-    def __init__(self, disk: LayoutStore | None, memory: MemoryStore, depth: int, device: torch.device,
+    def __init__(self, manifest: Manifest, disk: DiskStore | None, memory: MemoryStore, depth: int, device: Device,
                  slot_bytes: int, timeline=NO_TIMELINE):
         """disk is None when no streamed block lives there: the slots then need no host buffers."""
+        self.manifest = manifest
         self.disk = disk
         self.memory = memory
         self.timeline = timeline
         self.device = device
-        self.on_cuda = device.type == "cuda"
+        self.separate = device.separate_memory
         reads = disk is not None
-        self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self.copy_stream = device.new_stream() if self.separate else None
         self._slots = [
             Slot(
-                host=aligned_empty(slot_bytes, pin=self.on_cuda) if reads else None,
-                device=torch.empty(slot_bytes, dtype=torch.uint8, device=device) if self.on_cuda else None,
+                host=device.pinned_empty(slot_bytes) if reads else None,
+                device=device.empty(slot_bytes) if self.separate else None,
             )
             for _ in range(depth)
         ]
         self._by_block: dict[str, Slot] = {}
-        self._verified: set[str] = set()
         self._starts = 0
 
     def want(self, names: list[str]) -> None:
@@ -70,7 +72,7 @@ class Slots:
 
         1. pick a slot no block is running from; let its previous read, copy and compute finish
         2. a disk home: submit the read into the slot's host buffer
-        3. on CUDA: queue the copy to the device buffer now if the bytes are there, else later
+        3. separate device memory: queue the copy to the device buffer now if the bytes are there, else later
         """
         for name in names:
             if name in self._by_block:
@@ -89,17 +91,17 @@ class Slots:
                 slot.submitted = time.perf_counter()
                 slot.ticket = self.disk.submit(name, slot.host)
                 slot.source = slot.host
-            if self.on_cuda and slot.ticket is None:
+            if self.separate and slot.ticket is None:
                 self._copy(slot)
 
     def advance(self) -> None:
         """Queues the copies of reads that have finished, so they overlap compute; never blocks."""
-        if not self.on_cuda:
+        if not self.separate:
             return
         for slot in self._slots:
             if slot.ticket is not None:
                 try:
-                    finished = self.disk.finished(slot.ticket)
+                    finished = self.disk.poll(slot.ticket)
                 except ZeroliteError:
                     slot.ticket = None  # spent: a failed read is waited for too
                     self._forget(slot)
@@ -110,29 +112,34 @@ class Slots:
                     self._copy(slot)
 
     def wait(self, name: str) -> torch.Tensor:
-        """The block's bytes, ready for compute on the current stream (want(name) came first).
+        """The block's bytes, ready for compute on the compute stream (want(name) came first).
 
-        1. wait for its read, if any is still in flight
-        2. on CUDA: queue the copy if it is not queued yet; make compute wait for it
+        1. wait for its read, if any is still in flight (the host waits: on a CPU device that is
+           compute waiting, on a GPU the host that queues compute)
+        2. separate device memory: queue the copy if it is not queued yet; make compute wait for
+           it on the device, timed there, since the host does not wait
         """
         slot = self._by_block[name]
         if slot.ticket is not None:
-            self._await(slot)
+            with self.timeline.span("read wait" if self.separate else "wait", name):
+                self._await(slot)
         slot.in_use = True
-        if not self.on_cuda:
-            return slot.source[: self.memory.entry(name).length]
+        length = self.manifest.block(name).length
+        if not self.separate:
+            return slot.source[:length]
         if slot.copied is None:
             self._copy(slot)
-        torch.cuda.current_stream(self.device).wait_event(slot.copied)
-        return slot.device[: self.memory.entry(name).length]
+        compute = self.device.compute_stream()
+        with self.timeline.span("wait", name, stream=compute):
+            self.device.wait_event(compute, slot.copied)
+        return slot.device[:length]
 
     def release(self, name: str) -> None:
-        """Compute is done with the block (on CUDA: once the work queued so far has run)."""
+        """Compute is done with the block (on a GPU: once the work queued so far has run)."""
         slot = self._by_block[name]
         slot.in_use = False
-        if self.on_cuda:
-            slot.computed = torch.cuda.Event()
-            slot.computed.record(torch.cuda.current_stream(self.device))
+        if self.separate:
+            slot.computed = self.device.record(self.device.compute_stream())
 
     def drain(self) -> None:
         """Waits for every read in flight: no read may outlive the buffers it fills. A read that
@@ -145,6 +152,15 @@ class Slots:
                 except ZeroliteError:
                     pass
                 self._forget(slot)
+
+    def close(self) -> None:
+        """Before the buffers go: reads in flight are waited for, and compute is ordered after
+        every copy queued (the read-ahead may have queued copies for a forward that never comes),
+        so that the memory of a device buffer is not handed to the next allocation while a copy
+        still writes into it."""
+        self.drain()
+        if self.separate:
+            self.device.wait_stream(self.device.compute_stream(), self.copy_stream)
 
     def _await(self, slot: Slot) -> None:
         ticket, slot.ticket = slot.ticket, None  # spent once waited for, whether the read failed or not
@@ -163,25 +179,19 @@ class Slots:
     def _read_done(self, slot: Slot, finished: float) -> None:
         entry = self.disk.entry(slot.block)
         self.timeline.add("read", slot.block, slot.submitted, finished, bytes=entry.length)
-        if slot.block not in self._verified:
-            # Once per block and run: CRC-32 runs at ~3.6 GB/s here, faster than the disk, and
-            # catches a layout altered after convert before its bytes are used.
-            self.disk.layout.check(entry, slot.host)
-            self._verified.add(slot.block)
+        self.disk.verify(slot.block, slot.host)
 
     def _empty(self, slot: Slot) -> None:
         if slot.ticket is not None:  # the engine is still writing into the host buffer
             self._await(slot)
         if slot.copied is not None and slot.source is slot.host:
-            slot.copied.synchronize()  # the copy engine is still reading the host buffer
+            slot.copied.synchronize()  # the engine may not write into the host buffer while a copy reads it
         self._forget(slot)
 
     def _copy(self, slot: Slot) -> None:
-        nbytes = self.memory.entry(slot.block).length
-        with torch.cuda.stream(self.copy_stream):
-            if slot.computed is not None:
-                self.copy_stream.wait_event(slot.computed)  # compute may still read the old block
-            with self.timeline.span("copy", slot.block, stream=self.copy_stream, bytes=nbytes):
-                slot.device[:nbytes].copy_(slot.source[:nbytes], non_blocking=True)
-            slot.copied = torch.cuda.Event()
-            slot.copied.record(self.copy_stream)
+        nbytes = self.manifest.block(slot.block).length
+        if slot.computed is not None:
+            self.device.wait_event(self.copy_stream, slot.computed)  # compute may still read the old block
+        with self.timeline.span("copy", slot.block, stream=self.copy_stream, bytes=nbytes):
+            self.device.copy(slot.device[:nbytes], slot.source[:nbytes], self.copy_stream)
+        slot.copied = self.device.record(self.copy_stream)

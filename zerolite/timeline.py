@@ -6,8 +6,9 @@
     timeline.add("read", "layers.4", submitted, finished, bytes=n)   # times from the engine
 
 Times are time.perf_counter() seconds, the clock the I/O engine reports completions on. Work
-queued on a CUDA stream is timed with CUDA events and turned into host times once the GPU is done
-with it (resolve()). When nothing profiles, the executor holds NO_TIMELINE, whose span() hands
+queued on a device stream is timed with the device's events and put on that same host clock once
+the device is done with it (resolve()), so that every span is on one clock before it is attributed
+to a step. When nothing profiles, the executor holds NO_TIMELINE, whose span() hands
 back one shared do-nothing context manager: nothing is measured or stored on the hot path.
 """
 
@@ -17,9 +18,9 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
-import torch
-
-TRACKS = ("step", "read", "copy", "wait", "compute")
+TRACKS = ("step", "read", "read wait", "copy", "wait", "compute")
+""""wait" is compute waiting for a block's bytes (on a GPU, the device-side stall); "read wait" is
+the host waiting for the disk, on a GPU, where the host queues compute and does not compute."""
 
 
 @dataclass(frozen=True)
@@ -40,41 +41,41 @@ class Timeline:
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
-        self._gpu: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, dict]] = []
-        self._anchor: tuple[torch.cuda.Event, float] | None = None
+        self.device = None  # the Device whose streams spans may be timed on (set by the executor)
+        self._queued: list[tuple[str, str, object, object, dict]] = []
+        self._anchor: tuple[object, float] | None = None
 
     def add(self, track: str, name: str, start: float, end: float, **args) -> None:
         self.spans.append(Span(track, name, start, end, args))
 
     @contextmanager
-    def span(self, track: str, name: str, stream: torch.cuda.Stream | None = None, **args):
-        """Times the body on the host, or, given a CUDA stream, the work the body queues on it."""
-        if stream is None:
+    def span(self, track: str, name: str, stream=None, **args):
+        """Times the body on the host, or, given a stream of a device with memory of its own, the
+        work the body queues on that stream."""
+        if stream is None or self.device is None or not self.device.separate_memory:
             start = time.perf_counter()
             yield
             self.add(track, name, start, time.perf_counter(), **args)
             return
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if self._anchor is None:
-            anchor = torch.cuda.Event(enable_timing=True)
-            anchor.record(stream)
+            anchor = self.device.record(stream, timing=True)
             anchor.synchronize()
             self._anchor = (anchor, time.perf_counter())
-        begin.record(stream)
+        begin = self.device.record(stream, timing=True)
         yield
-        end.record(stream)
-        self._gpu.append((track, name, begin, end, args))
+        end = self.device.record(stream, timing=True)
+        self._queued.append((track, name, begin, end, args))
 
     def resolve(self) -> None:
-        """Turns CUDA event pairs into spans on the host clock (waits for the GPU)."""
-        if not self._gpu:
+        """Turns device event pairs into spans on the host clock (waits for the device)."""
+        if not self._queued:
             return
         anchor, anchor_s = self._anchor
-        for track, name, begin, end, args in self._gpu:
+        for track, name, begin, end, args in self._queued:
             end.synchronize()
             start = anchor_s + anchor.elapsed_time(begin) / 1e3
             self.add(track, name, start, start + begin.elapsed_time(end) / 1e3, **args)
-        self._gpu = []
+        self._queued = []
 
     def on(self, track: str) -> list[Span]:
         return sorted((s for s in self.spans if s.track == track), key=lambda s: s.start)

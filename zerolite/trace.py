@@ -1,6 +1,6 @@
 """A timeline for people: Chrome trace JSON (Perfetto, chrome://tracing) and a PNG picture.
 
-One track each for steps, reads, copies, waits and compute, in that order, time in milliseconds
+One track each for steps, reads, the host's waits for reads (on a GPU), copies, compute's waits and compute, in that order, time in milliseconds
 from the first span.
 """
 
@@ -12,8 +12,10 @@ from pathlib import Path
 from zerolite.errors import ZeroliteError
 from zerolite.timeline import TRACKS, Timeline
 
-TRACK_LABELS = {"step": "steps", "read": "reads (disk)", "copy": "copies (to GPU)", "wait": "compute waits", "compute": "compute"}
-COLOURS = {"step": "#9e9e9e", "read": "#1f77b4", "copy": "#9467bd", "wait": "#d62728", "compute": "#2ca02c"}
+TRACK_LABELS = {"step": "steps", "read": "reads (disk)", "read wait": "host waits for reads", "copy": "copies (to GPU)",
+                "wait": "compute waits", "compute": "compute"}
+COLOURS = {"step": "#9e9e9e", "read": "#1f77b4", "read wait": "#ff7f0e", "copy": "#9467bd", "wait": "#d62728",
+           "compute": "#2ca02c"}
 
 
 def chrome_trace(timeline: Timeline) -> dict:

@@ -1,0 +1,266 @@
+"""Everything the runtime asks of a device, in one place: streams, events, asynchronous copies,
+device and pinned host memory, free memory.
+
+    device = resolve("auto")                    # CudaDevice where there is a GPU, else CpuDevice
+    copies = device.new_stream()
+    device.wait_event(copies, compute_done)     # the copy may not start before compute is done
+    device.copy(slot, host_bytes, copies)       # queued on `copies`; returns at once
+    landed = device.record(copies)
+    device.wait_event(device.compute_stream(), landed)   # compute waits on the device, the host does not
+
+Three implementations: CudaDevice (the only code in the package that calls torch.cuda), CpuDevice
+(one memory: nothing to copy, nothing to wait for) and, for the tests, a simulated asynchronous
+device (tests/simulated_device.py) whose copies run on threads, so that a missing wait shows up as
+wrong bytes. Events follow torch.cuda.Event's interface: record(stream), synchronize(), query(),
+elapsed_time(other) in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import time
+from contextlib import contextmanager
+
+import psutil
+import torch
+
+from zerolite.io import ALIGNMENT, align_up, aligned_empty
+
+
+class Device:
+    """The interface. `separate_memory` says whether device buffers are apart from host memory:
+    when they are, bytes must be copied in and every copy ordered against compute by events."""
+
+    name: str
+    torch_device: torch.device
+    separate_memory: bool
+
+    def compute_stream(self):
+        """The stream the model's own work is queued on (the current one)."""
+        raise NotImplementedError
+
+    def new_stream(self):
+        raise NotImplementedError
+
+    @contextmanager
+    def use_stream(self, stream):
+        """Work the body queues (tensor operations included) goes on stream."""
+        raise NotImplementedError
+
+    def record(self, stream=None, timing: bool = False):
+        """An event marking everything queued on stream (default: compute) so far."""
+        raise NotImplementedError
+
+    def wait_event(self, stream, event) -> None:
+        """Work queued on stream from now on runs after event; the host does not block."""
+        raise NotImplementedError
+
+    def wait_stream(self, stream, other) -> None:
+        """Work queued on stream from now on runs after everything queued on other so far."""
+        self.wait_event(stream, self.record(other))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """dst.copy_(src), queued on stream; src must stay untouched until the copy's event."""
+        raise NotImplementedError
+
+    def to_device(self, host: torch.Tensor, stream) -> torch.Tensor:
+        """A device copy of host, allocated for and queued on stream (host itself where memory is shared)."""
+        raise NotImplementedError
+
+    def keep_alive(self, tensor: torch.Tensor, stream) -> None:
+        """tensor was made on another stream and is used on this one: its memory must not be reused
+        before this stream's work so far has run."""
+
+    def synchronize(self, stream=None) -> None:
+        """The host waits for stream's work (default: every stream's)."""
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised uint8 device buffer."""
+        raise NotImplementedError
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised uint8 host buffer, 4 KiB aligned, page-locked where copies need it."""
+        return aligned_empty(nbytes)
+
+    def pinned_cost(self, nbytes: int) -> int:
+        """Host memory that pinned_empty(nbytes) really takes (and locks): what budgets count."""
+        return align_up(nbytes)
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory."""
+        raise NotImplementedError
+
+    def peak_allocated(self) -> int | None:
+        """The most device memory tensors held at once (None where host memory is the device's)."""
+        return None
+
+    def check(self) -> None:
+        """Raises an error the device met asynchronously (a failed kernel), if any."""
+
+
+class HostEvent:
+    """An event on a device with one memory: everything queued has already run when it is made."""
+
+    def __init__(self):
+        self.time = time.perf_counter()
+
+    def record(self, stream=None) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.time - self.time) * 1e3
+
+
+class CpuDevice(Device):
+    """Host memory is device memory: a block's bytes in a host buffer are what compute uses."""
+
+    name = "cpu"
+    torch_device = torch.device("cpu")
+    separate_memory = False
+    _STREAM = "cpu"  # the only stream: the host thread
+
+    def compute_stream(self):
+        return self._STREAM
+
+    def new_stream(self):
+        return self._STREAM
+
+    @contextmanager
+    def use_stream(self, stream):
+        yield
+
+    def record(self, stream=None, timing: bool = False) -> HostEvent:
+        return HostEvent()
+
+    def wait_event(self, stream, event) -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        dst.copy_(src)
+
+    def to_device(self, host: torch.Tensor, stream) -> torch.Tensor:
+        return host
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return aligned_empty(nbytes)
+
+    def memory(self) -> tuple[int, int]:
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+
+
+class CudaDevice(Device):
+    """One CUDA device through torch.cuda. Pinned host memory is allocated at its exact size (page
+    rounded) and registered with cudaHostRegister, not taken from torch's pinned caching allocator,
+    which rounds every allocation up to a power of two and keeps freed blocks pinned: a 1.71 GB
+    Llama-70B layer would lock 2 GiB, a 2.9 GB Mixtral layer 4 GiB."""
+
+    separate_memory = True
+
+    def __init__(self, torch_device: torch.device):
+        index = torch_device.index if torch_device.index is not None else torch.cuda.current_device()
+        self.torch_device = torch.device("cuda", index)
+        self.name = str(self.torch_device)
+
+    def compute_stream(self):
+        return torch.cuda.current_stream(self.torch_device)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.torch_device)
+
+    @contextmanager
+    def use_stream(self, stream):
+        with torch.cuda.stream(stream):
+            yield
+
+    def record(self, stream=None, timing: bool = False):
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(stream if stream is not None else self.compute_stream())
+        return event
+
+    def wait_event(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def to_device(self, host: torch.Tensor, stream) -> torch.Tensor:
+        with torch.cuda.stream(stream):  # allocated for this stream: nothing compute still uses
+            return host.to(self.torch_device, non_blocking=True)
+
+    def keep_alive(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def synchronize(self, stream=None) -> None:
+        if stream is None:
+            torch.cuda.synchronize(self.torch_device)
+        else:
+            stream.synchronize()
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return registered_host_memory(align_up(max(nbytes, 1)))[:nbytes]
+
+    def memory(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.torch_device)
+
+    def peak_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.torch_device)
+
+    def check(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+
+class _Registration:
+    """Keeps a host mapping registered with CUDA while any tensor uses it; on release, unregisters
+    it before the mapping goes (the mmap is freed only after this object)."""
+
+    def __init__(self, mapping: mmap.mmap, address: int):
+        self.mapping = mapping
+        self.address = address
+
+    def __del__(self):
+        torch.cuda.cudart().cudaHostUnregister(self.address)
+
+
+def registered_host_memory(nbytes: int) -> torch.Tensor:
+    """nbytes (a multiple of the page size) of anonymous memory, page-locked for the GPU."""
+    mapping = mmap.mmap(-1, nbytes)
+    array = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
+    address = ctypes.addressof(array)
+    status = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+    if status != 0:
+        from zerolite.errors import ZeroliteError
+
+        raise ZeroliteError(
+            f"pinning {nbytes / 1e9:.2f} GB of host memory failed (cudaError {status}): lower --cpu-memory or --prefetch-depth"
+        )
+    array._registration = _Registration(mapping, address)  # dies with the last tensor using the array
+    tensor = torch.frombuffer(array, dtype=torch.uint8)
+    assert tensor.data_ptr() % ALIGNMENT == 0
+    return tensor
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve(spec: str | Device) -> Device:
+    """A Device from --device ("auto", "cpu", "cuda", "cuda:N"), or the Device given."""
+    if isinstance(spec, Device):
+        return spec
+    if spec == "auto":
+        spec = "cuda" if cuda_available() else "cpu"
+    if spec == "cpu":
+        return CpuDevice()
+    return CudaDevice(torch.device(spec))
