@@ -46,7 +46,7 @@ class Executor:
         self.device = policy.torch_device
         self.plan = plan
         self.model = build_model(layout, self.device)
-        self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_block_bytes)
+        self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_chunk_bytes)
         self._bindings = {block.name: BlockBinding(self.model, block, manifest.aliases) for block in manifest.blocks}
 
         started = time.perf_counter()
