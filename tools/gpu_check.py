@@ -62,8 +62,11 @@ def run_step(title: str, command: list[str], timeout_s: int, env: dict[str, str]
     # A session of its own, so that a timeout ends the step's children too (bench.py runs each
     # contender in a process of its own, which would otherwise hold the GPU through the next step).
     # Unbuffered, so that what a step printed before it was killed still reaches the report.
-    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as e:  # the program is missing: the shell's exit status for that
+        return Step(title, command, 127, "", str(e), time.perf_counter() - started)
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
         returncode = process.returncode
