@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PROMPT ?= The capital of France is
 
-.PHONY: demo test bench-io clean
+.PHONY: demo test bench-io gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	python3 -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(STAMP)
 
 bench-io: $(STAMP)
 	$(BIN)/python tools/bench_io.py
+
+# On a CUDA machine, with TORCH=torch: the checks that need a GPU, in one report (tools/gpu_check.py).
+gpu-check: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(BIN)/python tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build

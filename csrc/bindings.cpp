@@ -47,18 +47,18 @@ NB_MODULE(_engine, m) {
       .def(
           "__init__",
           [](IoEngine* self, const std::string& backend, unsigned queue_depth,
-             std::size_t block_bytes, unsigned threads, const std::string& fault,
+             std::size_t chunk_bytes, unsigned threads, const std::string& fault,
              std::uint64_t fault_at) {
             EngineOptions options;
             options.backend = backend;
             options.queue_depth = queue_depth;
-            options.block_bytes = block_bytes;
+            options.chunk_bytes = chunk_bytes;
             options.threads = threads;
             options.fault = fault;
             options.fault_at = fault_at;
             new (self) IoEngine(options);
           },
-          "backend"_a, "queue_depth"_a, "block_bytes"_a, "threads"_a, "fault"_a, "fault_at"_a)
+          "backend"_a, "queue_depth"_a, "chunk_bytes"_a, "threads"_a, "fault"_a, "fault_at"_a)
       .def(
           "submit",
           [](IoEngine& engine, const std::string& path, std::uintptr_t dst, std::size_t nbytes,
@@ -70,5 +70,5 @@ NB_MODULE(_engine, m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("backend", &IoEngine::backend_name)
       .def_prop_ro("queue_depth", [](const IoEngine& e) { return e.options().queue_depth; })
-      .def_prop_ro("block_bytes", [](const IoEngine& e) { return e.options().block_bytes; });
+      .def_prop_ro("chunk_bytes", [](const IoEngine& e) { return e.options().chunk_bytes; });
 }

@@ -74,9 +74,9 @@ IoEngine::IoEngine(const EngineOptions& options) : options_(options) {
   if (!options_.fault.empty() && options_.fault != "eio" && options_.fault != "short") {
     throw std::invalid_argument("fault must be \"eio\" or \"short\"");
   }
-  if (options_.block_bytes == 0 || options_.block_bytes % kAlignment ||
-      options_.block_bytes > (1u << 30)) {
-    throw std::invalid_argument("block_bytes must be a positive multiple of 4096, at most 1 GiB");
+  if (options_.chunk_bytes == 0 || options_.chunk_bytes % kAlignment ||
+      options_.chunk_bytes > (1u << 30)) {
+    throw std::invalid_argument("chunk_bytes must be a positive multiple of 4096, at most 1 GiB");
   }
   backend_ = make_backend(options_, [this](const Chunk& c, const ChunkOutcome& o) {
     on_chunk_done(c, o);
@@ -99,8 +99,8 @@ std::uint64_t IoEngine::submit(const std::string& path, void* dst, std::size_t n
   request->fd = open_for_reading(path);
 
   std::vector<Chunk> chunks;
-  for (std::size_t done = 0; done < nbytes; done += options_.block_bytes) {
-    const std::size_t len = std::min(options_.block_bytes, nbytes - done);
+  for (std::size_t done = 0; done < nbytes; done += options_.chunk_bytes) {
+    const std::size_t len = std::min(options_.chunk_bytes, nbytes - done);
     chunks.push_back(Chunk{request, static_cast<char*>(dst) + done, file_offset + done, len});
   }
   request->chunks_left = chunks.size();

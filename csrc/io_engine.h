@@ -1,5 +1,5 @@
 // The I/O engine: reads byte ranges of files into caller-owned memory, O_DIRECT where the file
-// system allows it, split into blocks with many in flight. No Python and no torch in here: the
+// system allows it, split into chunks with many in flight. No Python and no torch in here: the
 // binding file (bindings.cpp) is the only place that knows about either.
 #pragma once
 
@@ -25,7 +25,7 @@ constexpr std::size_t kAlignment = 4096;
 struct EngineOptions {
   std::string backend = "auto";        // "auto", "io_uring" or "pread"
   unsigned queue_depth = 32;           // reads in flight at once
-  std::size_t block_bytes = 1 << 20;   // a request is split into reads of this size
+  std::size_t chunk_bytes = 1 << 20;   // a request is split into reads of this size
   unsigned threads = 0;                // pread workers; 0 means queue_depth
   // For tests of the error paths: the fault_at-th chunk read to complete (counting from 1) fails
   // with EIO ("eio") or ends as if the file did ("short"); "" injects nothing.

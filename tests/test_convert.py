@@ -16,8 +16,8 @@ from zerolite.convert import JOURNAL, convert
 from zerolite.errors import ZeroliteError
 from zerolite.io import ALIGNMENT, IoEngine
 from zerolite.layout import Layout
+from zerolite.manifest import MANIFEST, Manifest
 from zerolite.store import DiskStore
-from zerolite.manifest import MANIFEST
 
 ARCHS = ["llama", "bloom", "opt", "gpt2"]
 
@@ -165,3 +165,14 @@ def test_manifest_lists_every_tensor_with_dtype_shape_and_offset(tmp_path):
     block = raw["blocks"][1]
     assert {"name", "offset", "length", "crc32", "tensors"} <= set(block)
     assert {"name", "dtype", "shape", "offset"} <= set(block["tensors"][0])
+
+
+def test_blocks_are_found_by_name_and_a_repeated_name_is_refused(tmp_path):
+    manifest = convert(save_tiny_model("llama", tmp_path / "src"), tmp_path / "layout", show_progress=False)
+    assert [manifest.block(b.name) for b in manifest.blocks] == list(manifest.blocks)
+    with pytest.raises(KeyError, match="no block named 'layers.9'"):
+        manifest.block("layers.9")
+    raw = json.loads(manifest.to_json())
+    raw["blocks"][2]["name"] = "layers.0"
+    with pytest.raises(ZeroliteError, match="two blocks share a name"):
+        Manifest.from_json(json.dumps(raw), tmp_path / MANIFEST)

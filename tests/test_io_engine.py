@@ -12,7 +12,7 @@ BACKENDS = ["io_uring", "pread"]
 
 @pytest.fixture(scope="module")
 def random_file(tmp_path_factory):
-    """A 16 MiB + 4 KiB file of random bytes (not a power of two: the last block is partial)."""
+    """A 16 MiB + 4 KiB file of random bytes (not a power of two: the last chunk is partial)."""
     path = tmp_path_factory.mktemp("io") / "random.bin"
     data = os.urandom(16 * 2**20 + ALIGNMENT)
     path.write_bytes(data)
@@ -43,7 +43,7 @@ def test_aligned_empty_is_aligned():
 @pytest.mark.parametrize("pages", [1, 2, 3, 255, 256, 257, 4095])
 def test_aligned_reads_of_many_sizes_come_back_identical(random_file, backend, pages):
     path, data = random_file
-    engine = IoEngine(backend, queue_depth=8, block_bytes=64 * 1024)
+    engine = IoEngine(backend, queue_depth=8, chunk_bytes=64 * 1024)
     nbytes = pages * ALIGNMENT
     for offset in (0, ALIGNMENT, len(data) - nbytes - ALIGNMENT):
         buffer = engine.read(path, aligned_empty(nbytes), file_offset=offset)
@@ -51,9 +51,9 @@ def test_aligned_reads_of_many_sizes_come_back_identical(random_file, backend, p
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_many_reads_in_flight_split_into_many_blocks(random_file, backend):
+def test_many_reads_in_flight_split_into_many_chunks(random_file, backend):
     path, data = random_file
-    engine = IoEngine(backend, queue_depth=16, block_bytes=ALIGNMENT)
+    engine = IoEngine(backend, queue_depth=16, chunk_bytes=ALIGNMENT)
     spans = [(i * 37 % 4000 * ALIGNMENT, (i % 13 + 1) * 5 * ALIGNMENT) for i in range(64)]
     buffers = [aligned_empty(length) for _, length in spans]
     tickets = [engine.submit(path, b, offset) for b, (offset, _) in zip(buffers, spans)]
@@ -66,7 +66,7 @@ def test_many_reads_in_flight_split_into_many_blocks(random_file, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_whole_file_in_one_request(random_file, backend):
     path, data = random_file
-    engine = IoEngine(backend, queue_depth=4, block_bytes=2**20)
+    engine = IoEngine(backend, queue_depth=4, chunk_bytes=2**20)
     assert as_bytes(engine.read(path, aligned_empty(len(data)))) == data
 
 
@@ -91,7 +91,7 @@ def test_misaligned_requests_are_refused(random_file, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_read_past_end_of_file_names_file_and_offset(random_file, backend):
     path, data = random_file
-    engine = IoEngine(backend, block_bytes=ALIGNMENT)
+    engine = IoEngine(backend, chunk_bytes=ALIGNMENT)
     ticket = engine.submit(path, aligned_empty(4 * ALIGNMENT), file_offset=len(data) - ALIGNMENT)
     with pytest.raises(ShortReadError, match=f"ends at offset {len(data)}") as caught:
         engine.wait(ticket)
@@ -120,8 +120,8 @@ def test_missing_file_raises_oserror_with_errno(tmp_path, backend):
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="unknown I/O backend"):
         IoEngine("aio")
-    with pytest.raises(ValueError, match="block_bytes"):
-        IoEngine(block_bytes=1000)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        IoEngine(chunk_bytes=1000)
     with pytest.raises(ValueError, match="queue_depth"):
         IoEngine(queue_depth=0)
 

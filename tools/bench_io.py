@@ -1,9 +1,9 @@
 """Sequential O_DIRECT read bandwidth of the engine, beside fio's on the same file and settings.
 
-    python tools/bench_io.py [--file PATH] [--size-gib 2] [--depths 8,32] [--block-kib 256,1024]
+    python tools/bench_io.py [--file PATH] [--size-gib 2] [--depths 8,32] [--chunk-kib 256,1024]
 
-For each block size and queue depth: drop the page cache, run fio (--direct=1, io_uring, the same
-block size and depth), then drop it again before each engine backend reads the whole file as
+For each chunk size and queue depth: drop the page cache, run fio (--direct=1, io_uring, the same
+chunk size as --bs, and depth), then drop it again before each engine backend reads the whole file as
 zerolite profile --disk does (zerolite.machine.read_bandwidth: 64 MiB requests, four in flight). Prints each
 bandwidth as "median (best)" of --repeat runs, and its ratio to fio's. Run as root so the caches can be dropped.
 """
@@ -31,17 +31,17 @@ def make_file(path: str, nbytes: int) -> None:
         write_scratch(Path(path), nbytes)
 
 
-def fio_gbps(path: str, nbytes: int, block_bytes: int, depth: int) -> float:
+def fio_gbps(path: str, nbytes: int, chunk_bytes: int, depth: int) -> float:
     out = subprocess.run(
         ["fio", "--name=seq", f"--filename={path}", "--rw=read", "--direct=1", "--ioengine=io_uring",
-         f"--bs={block_bytes}", f"--iodepth={depth}", f"--size={nbytes}", "--output-format=json"],
+         f"--bs={chunk_bytes}", f"--iodepth={depth}", f"--size={nbytes}", "--output-format=json"],
         check=True, capture_output=True, text=True,
     ).stdout
     return json.loads(out)["jobs"][0]["read"]["bw_bytes"] / 1e9
 
 
-def engine_gbps(path: str, nbytes: int, backend: str, block_bytes: int, depth: int) -> float:
-    engine = IoEngine(backend, queue_depth=depth, block_bytes=block_bytes)
+def engine_gbps(path: str, nbytes: int, backend: str, chunk_bytes: int, depth: int) -> float:
+    engine = IoEngine(backend, queue_depth=depth, chunk_bytes=chunk_bytes)
     return read_bandwidth(Path(path), nbytes, engine)["read_gbps"]
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--file", default="build/bench-io.bin", help="file to read (created if absent)")
     parser.add_argument("--size-gib", type=float, default=2.0)
     parser.add_argument("--depths", default="4,16,32")
-    parser.add_argument("--block-kib", default="256,1024")
+    parser.add_argument("--chunk-kib", default="256,1024")
     parser.add_argument("--backends", default="io_uring,pread")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each contender; the median is shown")
     args = parser.parse_args()
@@ -66,23 +66,23 @@ def main() -> None:
 
     backends = args.backends.split(",")
     table = Table(title=f"sequential O_DIRECT reads of {nbytes / 2**30:.1f} GiB, {args.file}")
-    for column in ["block", "depth", "fio GB/s"] + [f"{b} GB/s" for b in backends] + [f"{b} / fio" for b in backends]:
+    for column in ["chunk", "depth", "fio GB/s"] + [f"{b} GB/s" for b in backends] + [f"{b} / fio" for b in backends]:
         table.add_column(column, justify="right")
-    for block_kib in map(int, args.block_kib.split(",")):
+    for chunk_kib in map(int, args.chunk_kib.split(",")):
         for depth in map(int, args.depths.split(",")):
             # Contenders take turns within each repeat, so a drift of the disk hits them alike.
             runs: dict[str, list[float]] = {name: [] for name in ["fio", *backends]}
             for _ in range(args.repeat):
                 drop_page_cache()
-                runs["fio"].append(fio_gbps(args.file, nbytes, block_kib << 10, depth))
+                runs["fio"].append(fio_gbps(args.file, nbytes, chunk_kib << 10, depth))
                 for backend in backends:
                     drop_page_cache()
-                    runs[backend].append(engine_gbps(args.file, nbytes, backend, block_kib << 10, depth))
+                    runs[backend].append(engine_gbps(args.file, nbytes, backend, chunk_kib << 10, depth))
             # The virtual disk here swings by 2x between runs; the best run shows what each can reach.
             reference = statistics.median(runs["fio"])
             best_reference = max(runs["fio"])
             table.add_row(
-                f"{block_kib} KiB", str(depth), f"{reference:.2f} ({best_reference:.2f})",
+                f"{chunk_kib} KiB", str(depth), f"{reference:.2f} ({best_reference:.2f})",
                 *[f"{statistics.median(runs[b]):.2f} ({max(runs[b]):.2f})" for b in backends],
                 *[f"{statistics.median(runs[b]) / reference:.0%} ({max(runs[b]) / best_reference:.0%})" for b in backends],
             )

@@ -2,7 +2,7 @@
 
     python tools/check_profile.py --file build/bench-io-6g.bin --layout build/smollm2 [--repeat 3]
 
-1. disk: `zerolite profile --disk FILE --json` beside fio (--direct=1, io_uring, 1 MiB blocks,
+1. disk: `zerolite profile --disk FILE --json` beside fio (--direct=1, io_uring, 1 MiB chunks,
    depth 32, the engine's defaults) on the same file, taking turns, caches dropped before each run;
 2. step: `zerolite profile --json` beside `zerolite generate --stats-json` with the same model,
    offload, depth, batch, prompt length and new tokens, taking turns, caches dropped before each:

@@ -51,7 +51,7 @@ class Executor:
         self.timeline = timeline
         timeline.device = device
         self.model = build_model(layout, device.torch_device)
-        self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_block_bytes)
+        self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_chunk_bytes)
         self.disk = DiskStore(layout, self.engine)
         self._bindings = {block.name: BlockBinding(self.model, block, manifest.aliases) for block in manifest.blocks}
 

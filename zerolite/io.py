@@ -44,19 +44,19 @@ class IoEngine:
     """Reads byte ranges of files into tensors, many reads in flight, GIL released while it works.
 
     backend: "io_uring", "pread" (a thread pool, works everywhere) or "auto" (io_uring where the
-    kernel allows it). queue_depth reads of block_bytes each are kept in flight; a request larger
-    than block_bytes is split. threads applies to the pread backend (default: queue_depth).
+    kernel allows it). queue_depth reads of chunk_bytes each are kept in flight; a request larger
+    than chunk_bytes is split. threads applies to the pread backend (default: queue_depth).
     """
 
     def __init__(
         self,
         backend: str = "auto",
         queue_depth: int = 32,
-        block_bytes: int = 1 << 20,
+        chunk_bytes: int = 1 << 20,
         threads: int = 0,
     ):
         fault, _, fault_at = os.environ.get(FAULT_VARIABLE, "").partition("@")
-        self._engine = _engine.Engine(backend, queue_depth, block_bytes, threads, fault, int(fault_at or 0))
+        self._engine = _engine.Engine(backend, queue_depth, chunk_bytes, threads, fault, int(fault_at or 0))
         # A tensor must outlive the read into it: hold it until its ticket has been waited for.
         self._destinations: dict[int, torch.Tensor] = {}
 
@@ -70,8 +70,8 @@ class IoEngine:
         return self._engine.queue_depth
 
     @property
-    def block_bytes(self) -> int:
-        return self._engine.block_bytes
+    def chunk_bytes(self) -> int:
+        return self._engine.chunk_bytes
 
     def submit(self, path: str | os.PathLike, dst: torch.Tensor, file_offset: int = 0) -> int:
         """Starts reading dst.nbytes bytes of path at file_offset into dst; returns a ticket."""

@@ -15,6 +15,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -87,10 +88,16 @@ class Manifest:
         return sum(self.block(name).length for name in names)
 
     def block(self, name: str) -> BlockEntry:
-        for block in self.blocks:
-            if block.name == name:
-                return block
-        raise KeyError(f"no block named {name!r}; blocks are {', '.join(b.name for b in self.blocks)}")
+        """Called several times per layer per decode step: a dict lookup, not a scan of the blocks."""
+        try:
+            return self._blocks_by_name[name]
+        except KeyError:
+            raise KeyError(f"no block named {name!r}; blocks are {', '.join(b.name for b in self.blocks)}") from None
+
+    @cached_property
+    def _blocks_by_name(self) -> dict[str, BlockEntry]:
+        # Built on first use; cached_property writes the instance __dict__, which a frozen dataclass allows.
+        return {block.name: block for block in self.blocks}
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "version": VERSION, **asdict(self)}, indent=1)
@@ -116,6 +123,8 @@ class Manifest:
             raise ValueError(f"data file {self.data_file!r} is not a plain file name inside the layout")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")
+        if len(self._blocks_by_name) != len(self.blocks):
+            raise ValueError("two blocks share a name")
         end = 0
         for block in self.blocks:
             if not NAME.fullmatch(block.name):

@@ -26,7 +26,7 @@ class Policy:
                                        # while block i computes (double buffering), n reads n-1 ahead
     io_backend: str = "auto"           # the engine's backend: "io_uring", "pread" or "auto"
     io_queue_depth: int = 32           # engine reads in flight
-    io_block_bytes: int = 1 << 20      # size of each engine read
+    io_chunk_bytes: int = 1 << 20      # size of each engine read
     gpu_memory: int | None = None      # bytes of blocks kept resident on the GPU; None: what is free, less headroom
     cpu_memory: int | None = None      # bytes of layers kept in host memory (--offload nvme); None: likewise
     kv_offload: float = 0.0            # fraction of the layers whose K/V cache lives in host memory

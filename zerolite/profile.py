@@ -110,7 +110,7 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
         bottleneck="", verdict="",
     )
     engine = lm.engine
-    judge(report, transfer_gbps, "disk" if lm.plan.on_disk else "copy", engine.queue_depth * engine.block_bytes)
+    judge(report, transfer_gbps, "disk" if lm.plan.on_disk else "copy", engine.queue_depth * engine.chunk_bytes)
     return report
 
 
