@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from cli_runner import assert_one_line_error, run
 from tiny_models import save_tiny_model
 from zerolite.convert import convert
 
+REPOSITORY = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 33, 9, 44], [12, 90], [101, 3, 7, 55, 8, 19, 4]]
 
@@ -90,14 +94,30 @@ def test_sampling_with_a_seed_repeats(capsys, monkeypatch, tmp_path, layout):
     assert outputs[0] == outputs[1]
 
 
-def test_the_builtin_model_knows_the_capital_of_france(tmp_path):
-    """The README's main job, as a user runs it: the built-in model, fetched and converted on first use."""
+def demo_arguments() -> list[str]:
+    """The arguments `make demo` gives zerolite, read from the Makefile, with its prompt filled in."""
+    makefile = (REPOSITORY / "Makefile").read_text()
+    prompt = re.search(r"^PROMPT \?= (.*)$", makefile, re.MULTILINE)[1]
+    recipe = makefile.split("\ndemo:", 1)[1].splitlines()[1]  # the line after the target
+    program, *arguments = shlex.split(recipe.replace("$(PROMPT)", prompt))
+    assert program == "$(BIN)/zerolite"
+    return arguments
+
+
+def test_the_demo_streams_the_builtin_model_from_disk_and_knows_the_capital_of_france(tmp_path):
+    """The README's main job, as `make demo` runs it: the built-in model, converted on first use, every
+    layer read from disk at every step (the default budgets would hold this small model in memory)."""
+    arguments = demo_arguments()
+    readme = " ".join((REPOSITORY / "README.md").read_text().split())
+    assert "zerolite " + shlex.join(arguments).replace("'", '"') in readme  # the README shows what make runs
     zerolite = shutil.which("zerolite", path=os.path.dirname(sys.executable)) or "zerolite"
     env = dict(os.environ, ZEROLITE_CACHE=str(tmp_path / "cache"))
-    done = subprocess.run([zerolite, "generate", "The capital of France is", "--offload", "nvme", "--max-new-tokens", "8"],
-                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    done = subprocess.run([zerolite, *arguments], capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
+    plan = next(line for line in done.stderr.splitlines() if line.startswith("plan: "))
+    assert "layers streamed from disk" in plan and "in host memory" not in plan, plan
+    assert float(re.search(r"([0-9.]+) GB read", done.stderr)[1]) > 0, done.stderr
 
 
 # Bad input: one line on stderr, non-zero exit, no traceback.
