@@ -83,6 +83,28 @@ def test_prompts_as_arguments_print_to_stdout(capsys, monkeypatch, tmp_path, lay
     assert len(json.loads(result.stdout.strip())) <= 3  # no tokenizer: the token ids
 
 
+def test_the_plan_shows_the_batch_that_runs_not_the_batch_size_option(capsys, monkeypatch, tmp_path, layout):
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[0]}])
+    result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", prompts,
+                 "--max-new-tokens", "3")  # --batch-size 8 by default, one prompt
+    assert result.code == 0, result.stderr
+    assert f"(batch 1 x {len(PROMPTS[0]) + 3} tokens)" in result.stderr, result.stderr
+
+
+def test_a_resumed_run_announces_the_largest_batch_left_and_its_longest_sequence(layout):
+    import zerolite
+    from zerolite.generate import Sampling, generate_all
+    from zerolite.prompts import Prompt
+
+    prompts = [Prompt(f"p{i}", None, tuple(ids)) for i, ids in enumerate(PROMPTS)]
+    started = []
+    with zerolite.load(layout, device="cpu", show_progress=False) as lm:
+        for done in (set(), {"p2"}, {"p0", "p1"}):
+            generate_all(lm, prompts, Sampling(max_new_tokens=2), batch_size=2, on_batch=lambda batch: None,
+                         show_progress=False, done=done, on_start=lambda *announced: started.append(announced))
+    assert started == [(2, len(PROMPTS[2]) + 2), (2, len(PROMPTS[0]) + 2), (1, len(PROMPTS[2]) + 2)]
+
+
 def test_sampling_with_a_seed_repeats(capsys, monkeypatch, tmp_path, layout):
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[2]}])
     outputs = []
