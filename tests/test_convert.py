@@ -164,3 +164,19 @@ def test_manifest_lists_every_tensor_with_dtype_shape_and_offset(tmp_path):
     block = raw["blocks"][1]
     assert {"name", "offset", "length", "crc32", "tensors"} <= set(block)
     assert {"name", "dtype", "shape", "offset"} <= set(block["tensors"][0])
+
+
+def test_only_the_config_and_tokenizer_files_come_along_from_the_model_folder(tmp_path):
+    source = save_tiny_model("llama", tmp_path / "src")
+    (source / "tokenizer_config.json").write_text("{}")
+    (source / "chat_template.jinja").write_text("{{ messages }}")
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    (source / "prompts.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')  # the user's own files
+    (source / "reference.json").write_text("{}")
+    (source / "modeling_custom.py").write_text("")
+    convert(source, tmp_path / "layout", show_progress=False)
+    copied = {str(path.relative_to(tmp_path / "layout")) for path in (tmp_path / "layout").rglob("*") if path.is_file()}
+    assert copied == {MANIFEST, "weights.bin", ".zerolite.lock", "config.json", "generation_config.json",
+                      "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/tool_use.jinja"}
+

@@ -67,8 +67,9 @@ def convert(
         check_free_space(out, header["data_bytes"])
         finished = write_blocks(checkpoint, meta_model, blocks, planned, torch_dtype, out, header, done, show_progress)
 
-        for side_file in checkpoint.side_files():
-            shutil.copyfile(side_file, out / side_file.name)
+        for name in checkpoint.side_files():
+            (out / name).parent.mkdir(exist_ok=True)
+            shutil.copyfile(checkpoint.folder / name, out / name)
         manifest = Manifest(
             model_type=config.model_type,
             dtype=dtype_name,
