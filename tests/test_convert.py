@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import zerolite.convert as convert_module
+from cli_runner import assert_one_line_error, run
 from tiny_models import save_tiny_model
 from zerolite.convert import JOURNAL, convert
 from zerolite.errors import ZeroliteError
@@ -180,3 +181,13 @@ def test_only_the_config_and_tokenizer_files_come_along_from_the_model_folder(tm
     assert copied == {MANIFEST, "weights.bin", ".zerolite.lock", "config.json", "generation_config.json",
                       "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/tool_use.jinja"}
 
+
+def test_convert_refuses_a_folder_holding_other_files(capsys, monkeypatch, tmp_path):
+    source = save_tiny_model("gpt2", tmp_path / "src")
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    (disk / "notes.txt").write_text("mine")
+    result = run(capsys, monkeypatch, "convert", source, "--path", disk)
+    assert_one_line_error(result, f"--path {disk} holds other files and no zerolite layout",
+                          "convert into a new or empty folder, such as " + str(disk / "src-"))
+    assert [path.name for path in disk.iterdir()] == ["notes.txt"]  # nothing written beside them

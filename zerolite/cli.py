@@ -49,7 +49,7 @@ def _options(
 
 @app.command()
 def convert(
-    path: Annotated[Path, typer.Option("--path", help="Folder to write the layout into.")],
+    path: Annotated[Path, typer.Option("--path", help="Folder to write the layout into: a new or empty one, or a layout to bring up to date.")],
     model: Annotated[
         str | None,
         typer.Argument(help="Model folder, .gguf file, or hub id in the local cache (default: the built-in SmolLM2-135M-Instruct)."),
