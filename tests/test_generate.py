@@ -105,6 +105,32 @@ def test_a_resumed_run_announces_the_largest_batch_left_and_its_longest_sequence
     assert started == [(2, len(PROMPTS[2]) + 2), (2, len(PROMPTS[0]) + 2), (1, len(PROMPTS[2]) + 2)]
 
 
+def test_two_models_under_one_path_root_get_a_layout_each(capsys, monkeypatch, tmp_path, source):
+    other = save_tiny_model("llama", tmp_path / "other")
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme" / "notes.txt").write_text("mine")  # an offload root holds other things too
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[0]}])
+    for model in (source, other, source):  # the third run reuses the first layout
+        result = run(capsys, monkeypatch, "generate", "--model", model, "--path", tmp_path / "nvme", "--device", "cpu",
+                     "--input", prompts, "--max-new-tokens", "2")
+        assert result.code == 0, result.stderr
+    layouts = sorted(path for path in (tmp_path / "nvme").iterdir() if path.is_dir())
+    assert [path.name.split("-")[0] for path in layouts] == ["other", "source"]
+    assert all((path / "manifest.json").is_file() for path in layouts)
+    assert (tmp_path / "nvme" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("with_model", [False, True])
+def test_a_layout_given_as_path_is_used_as_it_is(capsys, monkeypatch, tmp_path, source, layout, with_model):
+    before = sorted(layout.iterdir())
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[0]}])
+    model = ["--model", source] if with_model else []
+    result = run(capsys, monkeypatch, "generate", *model, "--path", layout, "--device", "cpu", "--input", prompts,
+                 "--max-new-tokens", "2")
+    assert result.code == 0, result.stderr
+    assert sorted(layout.iterdir()) == before  # run from, not converted into a folder inside it
+
+
 def test_sampling_with_a_seed_repeats(capsys, monkeypatch, tmp_path, layout):
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[2]}])
     outputs = []
