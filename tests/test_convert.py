@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import zerolite.convert as convert_module
+from cli_runner import assert_one_line_error, run
 from tiny_models import save_tiny_model
 from zerolite.convert import JOURNAL, convert
 from zerolite.errors import ZeroliteError
@@ -176,3 +177,29 @@ def test_blocks_are_found_by_name_and_a_repeated_name_is_refused(tmp_path):
     raw["blocks"][2]["name"] = "layers.0"
     with pytest.raises(ZeroliteError, match="two blocks share a name"):
         Manifest.from_json(json.dumps(raw), tmp_path / MANIFEST)
+
+
+def test_only_the_config_and_tokenizer_files_come_along_from_the_model_folder(tmp_path):
+    source = save_tiny_model("llama", tmp_path / "src")
+    (source / "tokenizer_config.json").write_text("{}")
+    (source / "chat_template.jinja").write_text("{{ messages }}")
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    (source / "prompts.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')  # the user's own files
+    (source / "reference.json").write_text("{}")
+    (source / "modeling_custom.py").write_text("")
+    convert(source, tmp_path / "layout", show_progress=False)
+    copied = {str(path.relative_to(tmp_path / "layout")) for path in (tmp_path / "layout").rglob("*") if path.is_file()}
+    assert copied == {MANIFEST, "weights.bin", ".zerolite.lock", "config.json", "generation_config.json",
+                      "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/tool_use.jinja"}
+
+
+def test_convert_refuses_a_folder_holding_other_files(capsys, monkeypatch, tmp_path):
+    source = save_tiny_model("gpt2", tmp_path / "src")
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    (disk / "notes.txt").write_text("mine")
+    result = run(capsys, monkeypatch, "convert", source, "--path", disk)
+    assert_one_line_error(result, f"--path {disk} holds other files and no zerolite layout",
+                          "convert into a new or empty folder, such as " + str(disk / "src-"))
+    assert [path.name for path in disk.iterdir()] == ["notes.txt"]  # nothing written beside them

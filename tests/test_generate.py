@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from tiny_models import save_tiny_model
 from zerolite.convert import convert
 from zerolite.device import cuda_available
 
+REPOSITORY = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 33, 9, 44], [12, 90], [101, 3, 7, 55, 8, 19, 4]]
 
@@ -80,6 +84,54 @@ def test_prompts_as_arguments_print_to_stdout(capsys, monkeypatch, tmp_path, lay
     assert len(json.loads(result.stdout.strip())) <= 3  # no tokenizer: the token ids
 
 
+def test_the_plan_shows_the_batch_that_runs_not_the_batch_size_option(capsys, monkeypatch, tmp_path, layout):
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[0]}])
+    result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", prompts,
+                 "--max-new-tokens", "3")  # --batch-size 8 by default, one prompt
+    assert result.code == 0, result.stderr
+    assert f"(batch 1 x {len(PROMPTS[0]) + 3} tokens)" in result.stderr, result.stderr
+
+
+def test_a_resumed_run_announces_the_largest_batch_left_and_its_longest_sequence(layout):
+    import zerolite
+    from zerolite.generate import Sampling, generate_all
+    from zerolite.prompts import Prompt
+
+    prompts = [Prompt(f"p{i}", None, tuple(ids)) for i, ids in enumerate(PROMPTS)]
+    started = []
+    with zerolite.load(layout, device="cpu", show_progress=False) as lm:
+        for done in (set(), {"p2"}, {"p0", "p1"}):
+            generate_all(lm, prompts, Sampling(max_new_tokens=2), batch_size=2, on_batch=lambda batch: None,
+                         show_progress=False, done=done, on_start=lambda *announced: started.append(announced))
+    assert started == [(2, len(PROMPTS[2]) + 2), (2, len(PROMPTS[0]) + 2), (1, len(PROMPTS[2]) + 2)]
+
+
+def test_two_models_under_one_path_root_get_a_layout_each(capsys, monkeypatch, tmp_path, source):
+    other = save_tiny_model("llama", tmp_path / "other")
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme" / "notes.txt").write_text("mine")  # an offload root holds other things too
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[0]}])
+    for model in (source, other, source):  # the third run reuses the first layout
+        result = run(capsys, monkeypatch, "generate", "--model", model, "--path", tmp_path / "nvme", "--device", "cpu",
+                     "--input", prompts, "--max-new-tokens", "2")
+        assert result.code == 0, result.stderr
+    layouts = sorted(path for path in (tmp_path / "nvme").iterdir() if path.is_dir())
+    assert [path.name.split("-")[0] for path in layouts] == ["other", "source"]
+    assert all((path / "manifest.json").is_file() for path in layouts)
+    assert (tmp_path / "nvme" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("with_model", [False, True])
+def test_a_layout_given_as_path_is_used_as_it_is(capsys, monkeypatch, tmp_path, source, layout, with_model):
+    before = sorted(layout.iterdir())
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[0]}])
+    model = ["--model", source] if with_model else []
+    result = run(capsys, monkeypatch, "generate", *model, "--path", layout, "--device", "cpu", "--input", prompts,
+                 "--max-new-tokens", "2")
+    assert result.code == 0, result.stderr
+    assert sorted(layout.iterdir()) == before  # run from, not converted into a folder inside it
+
+
 def test_sampling_with_a_seed_repeats(capsys, monkeypatch, tmp_path, layout):
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": PROMPTS[2]}])
     outputs = []
@@ -91,14 +143,30 @@ def test_sampling_with_a_seed_repeats(capsys, monkeypatch, tmp_path, layout):
     assert outputs[0] == outputs[1]
 
 
-def test_the_builtin_model_knows_the_capital_of_france(tmp_path):
-    """The README's main job, as a user runs it: the built-in model, fetched and converted on first use."""
+def demo_arguments() -> list[str]:
+    """The arguments `make demo` gives zerolite, read from the Makefile, with its prompt filled in."""
+    makefile = (REPOSITORY / "Makefile").read_text()
+    prompt = re.search(r"^PROMPT \?= (.*)$", makefile, re.MULTILINE)[1]
+    recipe = makefile.split("\ndemo:", 1)[1].splitlines()[1]  # the line after the target
+    program, *arguments = shlex.split(recipe.replace("$(PROMPT)", prompt))
+    assert program == "$(BIN)/zerolite"
+    return arguments
+
+
+def test_the_demo_streams_the_builtin_model_from_disk_and_knows_the_capital_of_france(tmp_path):
+    """The README's main job, as `make demo` runs it: the built-in model, converted on first use, every
+    layer read from disk at every step (the default budgets would hold this small model in memory)."""
+    arguments = demo_arguments()
+    readme = " ".join((REPOSITORY / "README.md").read_text().split())
+    assert "zerolite " + shlex.join(arguments).replace("'", '"') in readme  # the README shows what make runs
     zerolite = shutil.which("zerolite", path=os.path.dirname(sys.executable)) or "zerolite"
     env = dict(os.environ, ZEROLITE_CACHE=str(tmp_path / "cache"))
-    done = subprocess.run([zerolite, "generate", "The capital of France is", "--offload", "nvme", "--max-new-tokens", "8"],
-                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    done = subprocess.run([zerolite, *arguments], capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
+    plan = next(line for line in done.stderr.splitlines() if line.startswith("plan: "))
+    assert "layers streamed from disk" in plan and "in host memory" not in plan, plan
+    assert float(re.search(r"([0-9.]+) GB read", done.stderr)[1]) > 0, done.stderr
 
 
 # Bad input: one line on stderr, non-zero exit, no traceback.

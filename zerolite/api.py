@@ -18,7 +18,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 
 from zerolite.budget import Budgets
 from zerolite.checkpoint import quiet_transformers
-from zerolite.convert import JOURNAL, choose_dtype
+from zerolite.convert import JOURNAL, choose_dtype, holds_layout
 from zerolite.device import Device
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
@@ -205,7 +205,14 @@ def load(
 
 
 def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool) -> Path:
-    """The layout folder to run from: model itself if it is one, else model converted (once)."""
+    """The layout folder to run from: model itself if it is one, else model converted (once).
+
+    path is a layout (or an unfinished conversion) to use, or else an offload root such as /nvme
+    holding one layout per model, each in a folder of its own (default: zerolite's cache).
+    """
+    path = Path(path).expanduser() if path is not None else None
+    if model is None and path is not None and holds_layout(path):
+        model = path  # no --model: --path names the layout to run
     if model is not None and (Path(model).expanduser() / MANIFEST).is_file():
         return Path(model).expanduser()
     if model is not None and (Path(model).expanduser() / JOURNAL).is_file():
@@ -216,7 +223,7 @@ def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool) -
     from zerolite.gguf_source import builtin_gguf
 
     source = str(model) if model is not None else str(builtin_gguf())
-    folder = Path(path).expanduser() if path is not None else default_layout_path(source, dtype)
+    folder = path if path is not None and holds_layout(path) else default_layout_path(source, dtype, root=path)
     convert(source, folder, dtype=dtype, allow_pickle=allow_pickle, show_progress=show_progress)
     return folder
 

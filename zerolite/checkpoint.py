@@ -35,7 +35,20 @@ from zerolite.errors import ZeroliteError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+
+# The files of a model folder that a layout copies. Tokenizers are those transformers 5 saves with
+# save_pretrained and reads back (tokenizer_config.json, tokenizer.json, chat_template.jinja and the
+# other templates in CHAT_TEMPLATE_DIR, added_tokens.json; special_tokens_map.json and
+# chat_template.json from older saves), and the vocabularies under the names the tokenizer classes
+# of causal LMs give them (vocab_files_names; tekken.json is mistral-common's).
+LAYOUT_FILES = (
+    "config.json", "generation_config.json",
+    "tokenizer_config.json", "tokenizer.json", "chat_template.jinja", "added_tokens.json",
+    "special_tokens_map.json", "chat_template.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
+    "sentencepiece.model", "emoji.json", "tekken.json",
+)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 FINGERPRINT_SAMPLE = 1 << 20
 
@@ -86,14 +99,12 @@ class Checkpoint:
         return digest.hexdigest()
 
     def side_files(self) -> list[Path]:
-        """Config, generation config, tokenizer and chat template: everything but the weights."""
-        return sorted(
-            path for path in self.folder.iterdir()
-            if path.is_file()
-            and not path.name.endswith(WEIGHT_SUFFIXES)
-            and path.name not in (SAFETENSORS_INDEX, PICKLE_INDEX)
-            and not path.name.endswith(".py")  # remote code is never copied
-        )
+        """What a layout needs besides the weights to run alone, relative to the folder: the config,
+        the generation config and the tokenizer. Whatever else lies there (notes, prompts, remote
+        code) stays behind."""
+        names = [Path(name) for name in LAYOUT_FILES if (self.folder / name).is_file()]
+        templates = sorted((self.folder / CHAT_TEMPLATE_DIR).glob("*.jinja"))
+        return names + [path.relative_to(self.folder) for path in templates]
 
     def lazy_state_dict(self) -> dict[str, object]:
         """Every checkpoint tensor by name, none read yet (safetensors slices or mmapped tensors)."""

@@ -49,7 +49,7 @@ def _options(
 
 @app.command()
 def convert(
-    path: Annotated[Path, typer.Option("--path", help="Folder to write the layout into.")],
+    path: Annotated[Path, typer.Option("--path", help="Folder to write the layout into: a new or empty one, or a layout to bring up to date.")],
     model: Annotated[
         str | None,
         typer.Argument(help="Model folder, .gguf file, or hub id in the local cache (default: the built-in SmolLM2-135M-Instruct)."),
@@ -102,10 +102,10 @@ def generate(
     prompts: Annotated[list[str] | None, typer.Argument(help="Prompts to complete (or use --input).", show_default=False)] = None,
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help="A layout folder, or a model folder / .gguf / hub id to convert into --path first (default: the built-in SmolLM2-135M-Instruct)."),
+        typer.Option("--model", "-m", help="A layout folder, or a model folder / .gguf / hub id to convert under --path first (default: the built-in SmolLM2-135M-Instruct)."),
     ] = None,
     offload: Annotated[str, typer.Option(help="Where the blocks live while running: nvme (stream from the layout), cpu (host memory) or none (all resident).")] = "nvme",
-    path: Annotated[Path | None, typer.Option(help="Layout folder to convert --model into (default: zerolite's cache).")] = None,
+    path: Annotated[Path | None, typer.Option(help="Offload root, such as /nvme, holding one layout per model in a folder of its own, where --model is converted; or a layout to run (default: zerolite's cache).")] = None,
     device: Annotated[str, typer.Option(help="cuda, cpu, or auto (cuda when available).")] = "auto",
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting (default: the config's dtype).")] = None,
     prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring: 2 reads the next block while one computes.")] = 2,
@@ -179,7 +179,7 @@ def generate(
 def profile(
     model: Annotated[str | None, typer.Option("--model", "-m", help="As for generate (default: the built-in model).")] = None,
     offload: Annotated[str, typer.Option(help="nvme, cpu or none, as for generate.")] = "nvme",
-    path: Annotated[Path | None, typer.Option(help="Layout folder to convert --model into.")] = None,
+    path: Annotated[Path | None, typer.Option(help="As for generate: the offload root --model is converted under, or a layout.")] = None,
     device: Annotated[str, typer.Option(help="cuda, cpu, or auto.")] = "auto",
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting.")] = None,
     prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring.")] = 2,

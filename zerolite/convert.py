@@ -26,6 +26,7 @@ from zerolite.checkpoint import DTYPE_CHOICES, Checkpoint, build_meta_model, ite
 from zerolite.errors import ZeroliteError
 from zerolite.io import aligned_empty
 from zerolite.manifest import DATA_FILE, MANIFEST, BlockEntry, Manifest, pack
+from zerolite.policy import default_layout_path
 from zerolite.progress import byte_progress
 
 JOURNAL = "convert.journal"
@@ -50,7 +51,7 @@ def convert(
     source = {"model": source_name(model), "fingerprint": checkpoint.fingerprint()}
     dtype_name = str(torch_dtype).removeprefix("torch.")
 
-    out = prepare_folder(path)
+    out = prepare_folder(path, model, dtype)
     with exclusive_lock(out):
         existing = read_existing_manifest(out)
         if existing and existing.source["model"] != source["model"]:
@@ -67,8 +68,9 @@ def convert(
         check_free_space(out, header["data_bytes"])
         finished = write_blocks(checkpoint, meta_model, blocks, planned, torch_dtype, out, header, done, show_progress)
 
-        for side_file in checkpoint.side_files():
-            shutil.copyfile(side_file, out / side_file.name)
+        for name in checkpoint.side_files():
+            (out / name).parent.mkdir(exist_ok=True)
+            shutil.copyfile(checkpoint.folder / name, out / name)
         manifest = Manifest(
             model_type=config.model_type,
             dtype=dtype_name,
@@ -115,10 +117,16 @@ def data_bytes(planned: dict[str, BlockEntry]) -> int:
     return last.offset + last.length
 
 
-def prepare_folder(path: str | os.PathLike) -> Path:
+def prepare_folder(path: str | os.PathLike, model: str | os.PathLike, dtype: str | None) -> Path:
     out = Path(path).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
+        # A layout has a folder of its own: written beside other files, it would mix with them.
+        if not holds_layout(out) and any(entry.name != LOCK for entry in out.iterdir()):
+            raise ZeroliteError(
+                f"--path {out} holds other files and no zerolite layout: convert into a new or empty folder, "
+                f"such as {default_layout_path(str(model), dtype, root=out)}"
+            )
         probe = out / ".zerolite-write-test"
         probe.write_bytes(b"")
         probe.unlink()
@@ -127,6 +135,11 @@ def prepare_folder(path: str | os.PathLike) -> Path:
             f"cannot write to --path {out}: {e.strerror or one_line(e)}; choose a folder you can write to"
         ) from e
     return out
+
+
+def holds_layout(folder: Path) -> bool:
+    """A layout, or a conversion into one that did not finish."""
+    return (folder / MANIFEST).is_file() or (folder / JOURNAL).is_file()
 
 
 @contextmanager

@@ -116,9 +116,10 @@ def generate_all(
 
     batch_size None picks the largest batch the memory holds. Batches are cut from the whole list
     by position, so that a batch always holds the same prompts (and so gives the same tokens);
-    those whose ids are all in done (a resumed run) are skipped. on_start hears the batch size and
-    the longest sequence once the prompts are checked, before anything runs. The engine, the slots
-    and the resident blocks stay warm from one batch to the next.
+    those whose ids are all in done (a resumed run) are skipped. on_start hears the rows of the
+    largest batch that runs (fewer than batch_size when fewer prompts are left) and the longest
+    sequence among them, once the prompts are checked and before anything runs (if anything does).
+    The engine, the slots and the resident blocks stay warm from one batch to the next.
     """
     if batch_size is not None and batch_size < 1:
         raise ZeroliteError(f"--batch-size must be at least 1, got {batch_size}")
@@ -126,14 +127,15 @@ def generate_all(
     check_context(lm, prompts, encoded, sampling.max_new_tokens)
     if batch_size is None:
         batch_size = largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens)
-    on_start(batch_size, max(map(len, encoded)) + sampling.max_new_tokens)
+    batches = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
+    batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
+    running = [i for rows in batches for i in rows]
+    if running:
+        on_start(max(map(len, batches)), max(len(encoded[i]) for i in running) + sampling.max_new_tokens)
     config = generation_config(lm, sampling)
     stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
     bytes_before = lm.bytes_read
-    batches = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
-    batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
-    rows_to_run = sum(len(rows) for rows in batches)
-    with token_progress("generating", rows_to_run * sampling.max_new_tokens, enabled=show_progress) as progress:
+    with token_progress("generating", len(running) * sampling.max_new_tokens, enabled=show_progress) as progress:
         for number, rows in enumerate(batches, start=1):
             progress.note(f"batch {number}/{len(batches)}")
             input_ids, attention_mask = left_pad([encoded[i] for i in rows], config.pad_token_id)

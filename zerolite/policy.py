@@ -70,12 +70,13 @@ def parse_size(text: str, flag: str) -> int:
     raise ZeroliteError(f"{flag} {text!r} is not a size: write it with a unit, as in 24GB, 1.5GiB or 512MB (or 0)")
 
 
-def default_layout_path(model: str, dtype: str | None) -> Path:
-    """Where a model given as a checkpoint is converted to when no --path is given: zerolite's cache."""
+def default_layout_path(model: str, dtype: str | None, root: Path | None = None) -> Path:
+    """Where a model given as a checkpoint is converted to: a folder of its own under root (an
+    offload root such as /nvme, given as --path), by default under zerolite's cache."""
     from zerolite.gguf_source import cache_dir
 
     local = Path(model).expanduser()
     source = str(local.resolve()) if local.exists() else model
     stem = local.name if local.exists() else model.replace("/", "--")
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]  # two folders both named "model" differ
-    return cache_dir() / "layouts" / f"{stem}-{digest}-{dtype or 'auto'}"
+    return (root if root is not None else cache_dir() / "layouts") / f"{stem}-{digest}-{dtype or 'auto'}"
