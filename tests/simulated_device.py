@@ -146,7 +146,11 @@ class SimulatedDevice(Device):
         self.random = random.Random(seed)
         self.failures: list[BaseException] = []
         self.compute = SimulatedStream(self, "compute", threaded=False)
-        self._streams = [self.compute]
+        # What the host has seen finish (synchronize, query). Apart from compute's clock: compute
+        # waiting for an event on the device tells the host nothing, even though here the calling
+        # thread is what waits.
+        self.host_clock: dict[str, int] = {}
+        self.streams = [self.compute]
         self._buffers: dict[int, BufferRecord] = {}          # storage address -> record
         self._copies_from: dict[int, list[tuple[str, int]]] = {}  # host storage address -> copies reading it
         self._all_copies: list[tuple[str, int]] = []
@@ -162,8 +166,8 @@ class SimulatedDevice(Device):
         return self.compute
 
     def new_stream(self) -> SimulatedStream:
-        stream = SimulatedStream(self, f"stream{len(self._streams)}", threaded=True)
-        self._streams.append(stream)
+        stream = SimulatedStream(self, f"stream{len(self.streams)}", threaded=True)
+        self.streams.append(stream)
         return stream
 
     @contextmanager
@@ -189,11 +193,12 @@ class SimulatedDevice(Device):
         return any(skip(event) for skip in self.skipped_synchronizes)
 
     def host_saw(self, event: SimulatedEvent) -> None:
-        """The host waited for event: whatever it queues from now on (compute included) comes after."""
+        """The host waited for event: whatever it does or queues from now on (compute included) comes after."""
+        merge(self.host_clock, event.clock)
         merge(self.compute.clock, event.clock)
 
     def synchronize(self, stream=None) -> None:
-        for s in [stream] if stream is not None else self._streams:
+        for s in [stream] if stream is not None else self.streams:
             self.record(s).synchronize()
 
     def raise_failures(self) -> None:
@@ -300,7 +305,7 @@ class SimulatedDevice(Device):
     def engine_writes(self, host: torch.Tensor) -> None:
         """The I/O engine is about to write into host: every copy reading it must be seen finished."""
         for stream, epoch in self._copies_from.get(host.untyped_storage().data_ptr(), []):
-            if self.compute.clock.get(stream, -1) < epoch and stream != "compute":
+            if self.host_clock.get(stream, -1) < epoch and stream != "compute":
                 raise OrderingError(f"the engine reads into a host buffer while a copy from it on {stream} may be in flight")
 
     def compute_after_copies(self) -> bool:

@@ -2,13 +2,12 @@
 and the layout.
 
 Three tiers, fastest first. Resident blocks are bound once and stay on the device. The other
-layers stream through the ring of slots every forward, from host memory (pinned on CUDA) when the
+layers stream through the ring of slots every forward, from host memory (pinned on a GPU) when the
 host budget holds them, else from the layout on disk.
 
 Faster tiers take the first layers, so the layers read from disk are one contiguous stretch of the
-layout, read in order at every step: readahead and caches below the engine serve that best (this
-machine's virtual disk reads a strided half of a layout at a third of the speed of the whole). The
-disk does not idle meanwhile: the executor reads ahead counting only blocks that need a transfer,
+layout, read in order at every step: readahead and caches below the engine serve that best, and
+virtual disks can read a strided half of a layout far slower than the whole. The disk does not idle meanwhile: the executor reads ahead counting only blocks that need a transfer,
 so the next disk layers are on their way while the layers held in memory compute.
 """
 

@@ -69,8 +69,8 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     lm.settle()  # the last reads ahead land on the timeline too
     timeline.resolve()
-    # Measured after the run, not before: reading the whole layout first changes how fast this
-    # machine's virtual disk then serves the run (steps up to 2x slower here).
+    # Measured after the run, not before: reading the whole layout first can change how fast a
+    # virtual disk then serves the run (caches below the guest), which would misjudge the run.
     read_gbps = max(
         measure_disk(lm.layout.folder, engine=lm.engine)["read_gbps"] for _ in range(DISK_RUNS)
     ) if plan.on_disk else None

@@ -1,0 +1,220 @@
+"""The device layer on the simulated asynchronous device: it catches every missing ordering step,
+and the CUDA path's defects stay fixed (pinned memory counted, device-side waits profiled, copies
+finished before their buffers go, resident blocks staged, K/V fetches ordered, ids checked, no
+static cache)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, StaticCache
+
+import zerolite
+import zerolite.kv_cache
+import zerolite.resident
+from simulated_device import OrderingError, SimulatedDevice
+from tiny_models import save_tiny_model
+from zerolite.convert import convert
+from zerolite.errors import ZeroliteError
+from zerolite.kv_cache import HostLayer, PartialOffloadCache
+from zerolite.layout import Layout
+from zerolite.machine import measure_host_to_device
+from zerolite.profile import profile_run
+from zerolite.timeline import Timeline
+
+LAYERS = 6
+PROMPTS = [[5, 17, 33, 9, 44, 61, 70], [0, 0, 0, 0, 0, 12, 90]]
+MASK = [[1] * 7, [0] * 5 + [1] * 2]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama's layout and transformers' greedy tokens on its weights in RAM."""
+    folder = tmp_path_factory.mktemp("device")
+    source = save_tiny_model("llama", folder / "source", layers=LAYERS)
+    convert(source, folder / "layout", show_progress=False)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    return folder / "layout", generate(model)
+
+
+def generate(model_or_lm, **kwargs) -> torch.Tensor:
+    return model_or_lm.generate(input_ids=torch.tensor(PROMPTS), attention_mask=torch.tensor(MASK),
+                                max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def layer_bytes(layout) -> int:
+    return Layout.open(layout).manifest.block("layers.0").length
+
+
+# Each ordering step the runtime asks the device for, and how to take it away again: a predicate
+# for the waits (stream, event) or host synchronisations (event) the device then drops. They hold
+# streams, not the model: the simulated device's threads keep it, and its predicates, alive.
+def copy_waits_for_compute(sim, lm):
+    copies = lm.executor.slots.copy_stream
+    sim.skipped_waits.append(lambda stream, event: stream is copies and event.stream is sim.compute)
+
+
+def compute_waits_for_copy(sim, lm):
+    copies = lm.executor.slots.copy_stream
+    sim.skipped_waits.append(lambda stream, event: stream is sim.compute and event.stream is copies)
+
+
+def refill_waits_for_copy(sim, lm):
+    copies = lm.executor.slots.copy_stream
+    sim.skipped_synchronizes.append(lambda event: event.stream is copies)
+
+
+def compute_waits_for_kv_fetch(sim, lm):
+    """The K/V stream is made by generate, after every stream loading made."""
+    loaded = list(sim.streams)
+    sim.skipped_waits.append(lambda stream, event: stream is sim.compute and event.stream not in loaded)
+
+
+REMOVALS = {
+    "the copy's wait for compute's last use of the slot": (copy_waits_for_compute, {}),
+    "compute's wait for the copy": (compute_waits_for_copy, {}),
+    "the wait before a slot's host buffer is refilled": (refill_waits_for_copy, {}),
+    "compute's wait for the K/V fetch": (compute_waits_for_kv_fetch, dict(kv_offload=1.0)),
+}
+
+
+@pytest.mark.parametrize("removal", REMOVALS)
+def test_the_simulated_device_catches_each_missing_ordering_step(tiny, removal):
+    layout, expected = tiny
+    remove, setup = REMOVALS[removal]
+    caught = []
+    for seed in range(3):
+        sim = SimulatedDevice(seed=seed, max_delay_s=0.004)
+        with zerolite.load(layout, device=sim, offload="nvme", cpu_memory=0, gpu_memory=0, show_progress=False,
+                           **setup) as lm:
+            remove(sim, lm)
+            try:
+                with sim.watching():
+                    got = generate(lm)
+            except OrderingError as e:
+                caught.append(f"ledger: {e}")
+                lm.executor.recover()
+                continue
+            caught.append("wrong tokens" if not torch.equal(got, expected) else None)
+    assert all(caught), caught  # every seed: the ledger or the tokens
+
+
+def test_without_removals_every_rule_holds_and_compute_is_ordered_after_copies_at_close(tiny):
+    layout, expected = tiny
+    sim = SimulatedDevice(seed=7)
+    with sim.watching():
+        lm = zerolite.load(layout, device=sim, offload="cpu", gpu_memory=0, show_progress=False)
+        assert torch.equal(generate(lm), expected)
+        lm.close()
+    assert sim.compute_after_copies()
+
+
+def test_without_ordering_compute_after_copies_the_teardown_race_is_caught(tiny):
+    layout, _ = tiny
+    sim = SimulatedDevice(seed=7)
+    lm = zerolite.load(layout, device=sim, offload="cpu", gpu_memory=0, show_progress=False)
+    generate(lm)  # the read-ahead wraps into the next forward: the copy of its first layer is queued
+    compute_waits_for_copy(sim, lm)
+    lm.close()
+    assert not sim.compute_after_copies()
+
+
+def test_pinned_memory_is_counted_at_what_pinning_takes(tiny, monkeypatch):
+    """Pinned allocations round up (here to a power of two, as torch's caching allocator does):
+    the host budget holds fewer layers than their raw size suggests, and what is pinned stays
+    within the budget and the ring."""
+    layout, expected = tiny
+    sim = SimulatedDevice()
+    layer = layer_bytes(layout)
+    cost = sim.pinned_cost(layer)
+    assert cost > layer
+    budget = 3 * layer
+    with zerolite.load(layout, device=sim, offload="nvme", cpu_memory=budget, gpu_memory=0, show_progress=False) as lm:
+        assert len(lm.plan.in_memory) == budget // cost < 3
+        ring = lm.policy.prefetch_depth * cost
+        assert sim.pinned <= budget + ring
+        assert torch.equal(generate(lm), expected)
+
+
+def test_preflight_counts_pinned_bytes_against_physical_memory(tiny, monkeypatch):
+    layout, _ = tiny
+    sim = SimulatedDevice()
+    layer = layer_bytes(layout)
+    raw_need = 3 * layer + 2 * layer          # three layers held, two ring slots, at their size
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("memory", "available total")(raw_need + 4096, 1 << 40))
+    with pytest.raises(ZeroliteError, match="pins .* in host memory"):
+        zerolite.load(layout, device=sim, offload="nvme", cpu_memory=3 * sim.pinned_cost(layer), gpu_memory=0,
+                      show_progress=False)
+
+
+def test_the_profiler_sees_compute_waiting_for_copies_on_the_device(tiny):
+    """--offload cpu with slow copies: the stall is on the device (the host only queues a wait),
+    timed there, and the step is not judged compute-bound."""
+    layout, _ = tiny
+    sim = SimulatedDevice(max_delay_s=0.04)
+    timeline = Timeline()
+    with zerolite.load(layout, device=sim, offload="cpu", gpu_memory=0, timeline=timeline, show_progress=False) as lm:
+        report = profile_run(lm, timeline, batch_size=1, new_tokens=4, prompt_tokens=4)
+    assert report.wait_s > 0.3 * report.decode_step_s, report
+    assert report.bottleneck != "compute", report.verdict
+    assert all(0 <= s.start and s.end >= s.start for s in timeline.spans)
+
+
+def test_resident_blocks_pass_through_small_pinned_staging(tiny, monkeypatch):
+    layout, expected = tiny
+    monkeypatch.setattr(zerolite.resident, "STAGING_BYTES", 8192)  # every block in several pieces
+    sim = SimulatedDevice(seed=3)
+    with sim.watching():
+        with zerolite.load(layout, device=sim, offload="none", show_progress=False) as lm:
+            assert torch.equal(generate(lm), expected)
+    assert sim.peak_pinned <= 2 * sim.pinned_cost(8192)  # never the whole model on the host
+
+
+def test_kv_offload_neither_synchronises_the_device_nor_leaves_a_fetch_behind(tiny, monkeypatch):
+    layout, expected = tiny
+    monkeypatch.setattr(zerolite.kv_cache, "MIN_TOKENS", 1)  # the host buffers grow at every other step
+    sim = SimulatedDevice(seed=5)
+    synchronised = []
+    monkeypatch.setattr(sim, "synchronize", lambda stream=None: synchronised.append(stream))
+    with sim.watching():
+        with zerolite.load(layout, device=sim, offload="nvme", cpu_memory=0, gpu_memory=0, show_progress=False) as lm:
+            cache = PartialOffloadCache(lm.config, 1.0, sim)
+            assert torch.equal(generate(lm, past_key_values=cache), expected)
+        assert synchronised == []
+    assert all(layer._fetched is None for layer in cache.layers if isinstance(layer, HostLayer))
+
+
+def test_host_to_device_bandwidth_is_timed_on_the_measured_device():
+    sim = SimulatedDevice()
+    assert measure_host_to_device(sim, nbytes=1 << 20, repeats=2) > 0
+
+    class Instant(SimulatedDevice):
+        def record(self, stream=None, timing=False):
+            event = super().record(stream, timing)
+            event.elapsed_time = lambda end: 0.0
+            return event
+
+    assert measure_host_to_device(Instant(), nbytes=1 << 20, repeats=2) is None  # no division by zero
+
+
+def test_an_id_past_the_vocabulary_is_one_clear_error_and_the_device_stays_usable(tiny):
+    layout, expected = tiny
+    sim = SimulatedDevice()
+    with zerolite.load(layout, device=sim, cpu_memory=0, show_progress=False) as lm:
+        with pytest.raises(ZeroliteError, match="vocabulary"):
+            lm.generate(input_ids=torch.tensor([[1, 10_000]]), max_new_tokens=2)
+        assert torch.equal(generate(lm), expected)
+
+
+def test_static_caches_are_refused_and_compilation_is_off(tiny):
+    layout, _ = tiny
+    with zerolite.load(layout, device=SimulatedDevice(), cpu_memory=0, show_progress=False) as lm:
+        assert lm.generation_config.disable_compile is True
+        with pytest.raises(ZeroliteError, match="static cache"):
+            generate(lm, cache_implementation="static")
+        with pytest.raises(ZeroliteError, match="static cache"):
+            generate(lm, past_key_values=StaticCache(config=lm.config, max_cache_len=32))
