@@ -13,23 +13,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cli_runner import assert_one_line_error, run
-from tiny_models import save_tiny_model
-from zerolite.convert import convert
 
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 33, 9, 44], [12, 90], [101, 3, 7, 55, 8, 19, 4]]
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return save_tiny_model("gpt2", tmp_path_factory.mktemp("model") / "source")
+def source(make_source):
+    return make_source("gpt2")
 
 
 @pytest.fixture(scope="module")
-def layout(source, tmp_path_factory):
-    path = tmp_path_factory.mktemp("layout") / "layout"
-    convert(source, path, show_progress=False)
-    return path
+def layout(make_layout):
+    return make_layout("gpt2")
 
 
 def write_jsonl(path, rows) -> str:
@@ -102,8 +98,9 @@ def test_the_builtin_model_knows_the_capital_of_france(tmp_path):
 # Bad input that needs more than a command line; the rest is in test_bad_input.py.
 
 
-def test_layout_of_another_model(capsys, monkeypatch, tmp_path, source, layout):
-    other = save_tiny_model("llama", tmp_path / "other")
+def test_layout_of_another_model(capsys, monkeypatch, make_source, make_layout):
+    other = make_source("llama")
+    layout = make_layout("gpt2", fresh=True)  # its own: were it overwritten after all, the shared one stays whole
     result = run(capsys, monkeypatch, "generate", "hi", "--model", other, "--path", layout, "--device", "cpu")
     assert_one_line_error(result, "holds a layout of another model", "choose another --path")
     assert (layout / "manifest.json").is_file()  # the other layout is left as it was

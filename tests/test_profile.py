@@ -5,28 +5,20 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import zerolite
 from cli_runner import run
-from zerolite.convert import convert
 from zerolite.machine import measure_disk
 from zerolite.profile import profile_run
 from zerolite.timeline import Timeline
 
 
 @pytest.fixture(scope="module")
-def layout(tmp_path_factory):
+def layout(make_layout):
     """A 300 MB fp32 Llama of 8 layers of 38 MB: big enough that reading a layer takes as long as
     computing it for a batch of 64 on two CPU cores, small enough to build in seconds."""
-    folder = tmp_path_factory.mktemp("profile")
-    config = LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=3072, num_hidden_layers=8,
-                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder / "source")
-    convert(folder / "source", folder / "layout", show_progress=False)
-    return folder / "layout"
+    return make_layout("llama", layers=8, tie=False, vocab_size=256, hidden_size=768, intermediate_size=3072,
+                       num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128)
 
 
 def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5):

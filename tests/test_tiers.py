@@ -11,9 +11,7 @@ import torch
 
 import zerolite
 from cli_runner import run
-from tiny_models import save_tiny_model
 from zerolite.budget import Budgets
-from zerolite.convert import convert
 from zerolite.errors import ZeroliteError
 from zerolite.layout import Layout
 from zerolite.kv_cache import spread
@@ -24,10 +22,8 @@ LAYERS = 8
 
 
 @pytest.fixture(scope="module")
-def layout(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiers")
-    convert(save_tiny_model("llama", folder / "source", layers=LAYERS), folder / "layout", show_progress=False)
-    return folder / "layout"
+def layout(make_layout):
+    return make_layout(layers=LAYERS)
 
 
 def layer_bytes(layout) -> list[int]:
