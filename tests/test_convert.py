@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import zerolite.convert as convert_module
 from cli_runner import assert_one_line_error, run
-from tiny_models import save_tiny_model
+from tiny_models import build_tiny_model, save_tiny_model
 from zerolite.convert import JOURNAL, convert
 from zerolite.errors import ZeroliteError
 from zerolite.io import ALIGNMENT, IoEngine
@@ -41,12 +41,12 @@ def read_all(layout: Layout) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tie", [True, False])
-def test_layout_is_bit_identical_to_safetensors_source(tmp_path, arch, tie):
-    source = save_tiny_model(arch, tmp_path / "src", tie=tie)
-    manifest = convert(source, tmp_path / "layout", show_progress=False)
-    layout = Layout.open(tmp_path / "layout")
+def test_layout_is_bit_identical_to_safetensors_source(make_source, make_layout, arch, tie):
+    folder = make_layout(arch, tie=tie)
+    layout = Layout.open(folder)
+    manifest = layout.manifest
     stored = read_all(layout)
-    expected = safetensors_tensors(source)
+    expected = safetensors_tensors(make_source(arch, tie=tie))
 
     assert set(stored) == set(expected)  # tied weights: stored once, as in the checkpoint
     for name, tensor in expected.items():
@@ -62,14 +62,14 @@ def test_layout_is_bit_identical_to_safetensors_source(tmp_path, arch, tie):
     names = [b.name for b in manifest.blocks]
     assert names == ["embed", "layers.0", "layers.1", "layers.2", "head"]
     assert all(b.offset % ALIGNMENT == 0 and b.length % ALIGNMENT == 0 for b in manifest.blocks)
-    assert (tmp_path / "layout" / "config.json").is_file()
-    assert not (tmp_path / "layout" / JOURNAL).exists()
+    assert (folder / "config.json").is_file()
+    assert not (folder / JOURNAL).exists()
 
 
-def test_names_come_out_as_the_module_names_for_a_legacy_checkpoint(tmp_path):
+def test_names_come_out_as_the_module_names_for_a_legacy_checkpoint(tmp_path, make_source):
     """BLOOM's original checkpoints lack the `transformer.` prefix; transformers maps them on load,
     and the layout must hold what the module has, not what the file says."""
-    source = save_tiny_model("bloom", tmp_path / "src")
+    source = make_source("bloom", fresh=True)
     legacy = {k.removeprefix("transformer."): v for k, v in safetensors_tensors(source).items()}
     (source / "model.safetensors").unlink()
     save_file(legacy, source / "model.safetensors", metadata={"format": "pt"})
@@ -83,17 +83,13 @@ def test_names_come_out_as_the_module_names_for_a_legacy_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_dtype_conversion_matches_a_plain_cast(tmp_path, dtype, torch_dtype):
-    source = save_tiny_model("llama", tmp_path / "src")
-    convert(source, tmp_path / "layout", dtype=dtype, show_progress=False)
-    stored = read_all(Layout.open(tmp_path / "layout"))
-    for name, tensor in safetensors_tensors(source).items():
+def test_dtype_conversion_matches_a_plain_cast(make_source, make_layout, dtype, torch_dtype):
+    stored = read_all(Layout.open(make_layout(dtype=dtype)))
+    for name, tensor in safetensors_tensors(make_source()).items():
         assert torch.equal(stored[name], tensor.to(torch_dtype)), name
 
 
 def test_sharded_checkpoint(tmp_path):
-    from tiny_models import build_tiny_model
-
     build_tiny_model("llama").save_pretrained(tmp_path / "src", max_shard_size="20KB")
     assert (tmp_path / "src" / "model.safetensors.index.json").is_file()
     convert(tmp_path / "src", tmp_path / "layout", show_progress=False)
@@ -103,8 +99,6 @@ def test_sharded_checkpoint(tmp_path):
 
 
 def test_pickled_weights_only_with_allow_pickle(tmp_path):
-    from tiny_models import build_tiny_model
-
     model = build_tiny_model("gpt2")
     (tmp_path / "src").mkdir()
     model.config.save_pretrained(tmp_path / "src")
@@ -117,8 +111,8 @@ def test_pickled_weights_only_with_allow_pickle(tmp_path):
         assert torch.equal(tensor, model.state_dict()[name]), name
 
 
-def test_interrupted_conversion_resumes_without_rewriting_finished_blocks(tmp_path, monkeypatch):
-    source = save_tiny_model("llama", tmp_path / "src")
+def test_interrupted_conversion_resumes_without_rewriting_finished_blocks(tmp_path, monkeypatch, make_source):
+    source = make_source()
     real_write_block = convert_module.write_block
     written = []
 
@@ -143,14 +137,14 @@ def test_interrupted_conversion_resumes_without_rewriting_finished_blocks(tmp_pa
         assert torch.equal(stored[name], tensor), name
 
 
-def test_converting_again_reuses_a_finished_layout_and_redoes_a_changed_one(tmp_path):
-    source = save_tiny_model("gpt2", tmp_path / "src")
+def test_converting_again_reuses_a_finished_layout_and_redoes_a_changed_one(tmp_path, make_source):
+    source = make_source("gpt2", fresh=True)
     first = convert(source, tmp_path / "layout", show_progress=False)
     before = (tmp_path / "layout" / "weights.bin").stat().st_mtime_ns
     assert convert(source, tmp_path / "layout", show_progress=False) == first
     assert (tmp_path / "layout" / "weights.bin").stat().st_mtime_ns == before
 
-    save_tiny_model("gpt2", tmp_path / "src", seed=1)  # new weights, same name
+    save_tiny_model("gpt2", source, seed=1)  # new weights, same name
     second = convert(source, tmp_path / "layout", show_progress=False)
     assert second.source["fingerprint"] != first.source["fingerprint"]
     stored = read_all(Layout.open(tmp_path / "layout"))
@@ -158,10 +152,8 @@ def test_converting_again_reuses_a_finished_layout_and_redoes_a_changed_one(tmp_
         assert torch.equal(stored[name], tensor), name
 
 
-def test_manifest_lists_every_tensor_with_dtype_shape_and_offset(tmp_path):
-    source = save_tiny_model("opt", tmp_path / "src")
-    convert(source, tmp_path / "layout", show_progress=False)
-    raw = json.loads((tmp_path / "layout" / MANIFEST).read_text())
+def test_manifest_lists_every_tensor_with_dtype_shape_and_offset(make_layout):
+    raw = json.loads((make_layout("opt") / MANIFEST).read_text())
     assert raw["format"] == "zerolite-layout" and raw["model_type"] == "opt"
     block = raw["blocks"][1]
     assert {"name", "offset", "length", "crc32", "tensors"} <= set(block)

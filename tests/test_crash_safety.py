@@ -15,9 +15,8 @@ import time
 import pytest
 
 from cli_runner import assert_one_line_error, run
-from tiny_models import save_tiny_model
-from zerolite.convert import convert
 
+LAYERS = 6
 PROMPTS = 24
 BATCH = 3
 NEW_TOKENS = 12
@@ -25,11 +24,8 @@ ZEROLITE = shutil.which("zerolite", path=os.path.dirname(sys.executable)) or "ze
 
 
 @pytest.fixture(scope="module")
-def layout(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("crash")
-    source = save_tiny_model("llama", folder / "source", layers=6)
-    convert(source, folder / "layout", show_progress=False)
-    return folder / "layout"
+def layout(make_layout):
+    return make_layout(layers=LAYERS)
 
 
 @pytest.fixture
@@ -122,7 +118,7 @@ def test_io_faults_inside_the_engine_end_in_one_clear_line(tmp_path, layout, pro
         json.loads(line)
 
 
-def test_a_file_system_filling_up_during_convert(capsys, monkeypatch, tmp_path, layout):
+def test_a_file_system_filling_up_during_convert(capsys, monkeypatch, tmp_path, make_source):
     """A size-limited tmpfs that the free-space estimate wrongly passes (as on a disk another
     program is filling): allocating the data file hits ENOSPC; the error is clear, no manifest is
     written, and once there is room the convert completes."""
@@ -130,7 +126,7 @@ def test_a_file_system_filling_up_during_convert(capsys, monkeypatch, tmp_path, 
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
     try:
-        source = layout.parent / "source"
+        source = make_source(layers=LAYERS)
         with monkeypatch.context() as patch:
             real_usage = shutil.disk_usage
             patch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=1 << 40))
@@ -145,13 +141,12 @@ def test_a_file_system_filling_up_during_convert(capsys, monkeypatch, tmp_path, 
 
 
 @pytest.mark.parametrize("block", ["embed", "layers.4"])
-def test_a_layout_altered_after_convert_is_caught_before_its_bytes_are_used(capsys, monkeypatch, tmp_path, layout, prompts,
-                                                                           block):
+def test_a_layout_altered_after_convert_is_caught_before_its_bytes_are_used(capsys, monkeypatch, tmp_path, make_layout,
+                                                                           prompts, block):
     """Resident blocks are checked as they load, streamed ones the first time they are read."""
     from zerolite.layout import Layout
 
-    altered = tmp_path / "altered"
-    shutil.copytree(layout, altered)
+    altered = make_layout(layers=LAYERS, fresh=True)
     offset = Layout.open(altered).manifest.block(block).offset + 100
     with open(altered / "weights.bin", "r+b") as f:
         f.seek(offset)
@@ -163,19 +158,18 @@ def test_a_layout_altered_after_convert_is_caught_before_its_bytes_are_used(caps
                           after_plan=True)
 
 
-def test_a_layout_truncated_after_convert(capsys, monkeypatch, tmp_path, layout):
-    truncated = tmp_path / "truncated"
-    shutil.copytree(layout, truncated)
+def test_a_layout_truncated_after_convert(capsys, monkeypatch, make_layout):
+    truncated = make_layout(layers=LAYERS, fresh=True)
     os.truncate(truncated / "weights.bin", (truncated / "weights.bin").stat().st_size // 2)
     result = run(capsys, monkeypatch, "generate", "hi", "--model", truncated, "--device", "cpu")
     assert_one_line_error(result, "is damaged", "weights.bin", "convert the model again")
 
 
-def test_a_second_convert_into_the_same_layout_is_refused(capsys, monkeypatch, tmp_path, layout):
+def test_a_second_convert_into_the_same_layout_is_refused(capsys, monkeypatch, tmp_path, make_source):
     target = tmp_path / "layout"
     target.mkdir()
     with open(target / ".zerolite.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running convert holds it
-        result = run(capsys, monkeypatch, "convert", layout.parent / "source", "--path", target)
+        result = run(capsys, monkeypatch, "convert", make_source(layers=LAYERS), "--path", target)
     assert_one_line_error(result, "another zerolite is converting into", "choose another --path")
     assert not (target / "weights.bin").exists()

@@ -16,8 +16,6 @@ import zerolite
 import zerolite.kv_cache
 import zerolite.resident
 from simulated_device import OrderingError, SimulatedDevice
-from tiny_models import save_tiny_model
-from zerolite.convert import convert
 from zerolite.errors import ZeroliteError
 from zerolite.kv_cache import HostLayer, PartialOffloadCache
 from zerolite.layout import Layout
@@ -32,13 +30,10 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(make_source, make_layout):
     """A tiny Llama's layout and transformers' greedy tokens on its weights in RAM."""
-    folder = tmp_path_factory.mktemp("device")
-    source = save_tiny_model("llama", folder / "source", layers=LAYERS)
-    convert(source, folder / "layout", show_progress=False)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    return folder / "layout", generate(model)
+    model = AutoModelForCausalLM.from_pretrained(make_source("llama", layers=LAYERS), dtype=torch.float32)
+    return make_layout("llama", layers=LAYERS), generate(model)
 
 
 def generate(model_or_lm, **kwargs) -> torch.Tensor:

@@ -7,8 +7,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zerolite
-from tiny_models import save_tiny_model
-from zerolite.convert import convert
 from zerolite.errors import ZeroliteError
 from zerolite.layout import Layout
 
@@ -52,12 +50,10 @@ def greedy(model_or_lm, rows: list[list[int]], device):
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def tiny(request, tmp_path_factory):
+def tiny(request, make_source, make_layout):
     """A tiny random model of one architecture: its layout, and transformers' own outputs per device."""
     arch = request.param
-    folder = tmp_path_factory.mktemp(arch)
-    source = save_tiny_model(arch, folder / "source", layers=LAYERS)
-    convert(source, folder / "layout", show_progress=False)
+    source = make_source(arch, layers=LAYERS)
     references = {}
 
     def reference(device: str):
@@ -71,7 +67,7 @@ def tiny(request, tmp_path_factory):
             references[device] = [greedy(model, rows, device) for rows in (SINGLE, BATCH)]
         return references[device]
 
-    return folder / "layout", reference
+    return make_layout(arch, layers=LAYERS), reference
 
 
 def assert_same_generation(expected, got) -> None:

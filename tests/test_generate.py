@@ -1,4 +1,4 @@
-"""`zerolite generate`: JSONL in and out, batches, stats, the built-in model, and its bad input."""
+"""`zerolite generate`: JSONL in and out, batches, stats, the built-in model, a layout of another model."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from cli_runner import assert_one_line_error, run
 from tiny_models import save_tiny_model
-from zerolite.convert import convert
-from zerolite.device import cuda_available
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 6
@@ -27,15 +24,13 @@ PROMPTS = [[5, 17, 33, 9, 44], [12, 90], [101, 3, 7, 55, 8, 19, 4]]
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return save_tiny_model("gpt2", tmp_path_factory.mktemp("model") / "source")
+def source(make_source):
+    return make_source("gpt2")
 
 
 @pytest.fixture(scope="module")
-def layout(source, tmp_path_factory):
-    path = tmp_path_factory.mktemp("layout") / "layout"
-    convert(source, path, show_progress=False)
-    return path
+def layout(make_layout):
+    return make_layout("gpt2")
 
 
 def write_jsonl(path, rows) -> str:
@@ -169,71 +164,12 @@ def test_the_demo_streams_the_builtin_model_from_disk_and_knows_the_capital_of_f
     assert float(re.search(r"([0-9.]+) GB read", done.stderr)[1]) > 0, done.stderr
 
 
-# Bad input: one line on stderr, non-zero exit, no traceback.
+# Bad input that needs more than a command line; the rest is in test_bad_input.py.
 
 
-def test_not_a_causal_lm(capsys, monkeypatch, tmp_path):
-    from transformers import T5Config
-
-    folder = tmp_path / "t5"
-    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2).save_pretrained(folder)
-    save_file({"x": torch.zeros(1)}, folder / "model.safetensors")
-    result = run(capsys, monkeypatch, "generate", "hi", "--model", folder, "--path", tmp_path / "out", "--device", "cpu")
-    assert_one_line_error(result, "'t5' is not a causal language model")
-
-
-def test_layout_of_another_model(capsys, monkeypatch, tmp_path, source, layout):
-    other = save_tiny_model("llama", tmp_path / "other")
+def test_layout_of_another_model(capsys, monkeypatch, make_source, make_layout):
+    other = make_source("llama")
+    layout = make_layout("gpt2", fresh=True)  # its own: were it overwritten after all, the shared one stays whole
     result = run(capsys, monkeypatch, "generate", "hi", "--model", other, "--path", layout, "--device", "cpu")
     assert_one_line_error(result, "holds a layout of another model", "choose another --path")
     assert (layout / "manifest.json").is_file()  # the other layout is left as it was
-
-
-@pytest.mark.parametrize(
-    ("content", "fragments"),
-    [
-        (b"", ("holds no prompts",)),
-        (b"\n  \n", ("holds no prompts",)),
-        (b'{"id": 1, "input_ids": [1, 2]}\n{"id": 2, "input_ids": [1,\n', ("line 2", "not valid JSON")),
-        (b'{"id": 1, "prompt": "caf\xe9"}\n', ("line 1", "not UTF-8")),
-        (b'[1, 2, 3]\n', ("line 1", "not an object")),
-        (b'{"input_ids": [1]}\n', ("line 1", '"id"')),
-        (b'{"id": 1}\n', ("line 1", "exactly one of")),
-        (b'{"id": 1, "input_ids": []}\n', ("line 1", "non-empty list")),
-        (b'{"id": 1, "input_ids": [1]}\n{"id": 1, "input_ids": [2]}\n', ("line 2", "appears twice")),
-        (b'{"id": 1, "input_ids": [100000]}\n', ("token id 100000", "vocabulary")),
-        (b'{"id": "long", "input_ids": [' + b", ".join([b"5"] * 300) + b"]}\n", ("'long' is 300 tokens", "context of 256")),
-        (b'{"id": "near", "input_ids": [' + b", ".join([b"5"] * 250) + b"]}\n", ("--max-new-tokens 6 or less",)),
-        (b'{"id": "text", "prompt": "hello"}\n', ("no tokenizer", "input_ids")),
-    ],
-)
-def test_bad_prompts_file(capsys, monkeypatch, tmp_path, layout, content, fragments):
-    (tmp_path / "in.jsonl").write_bytes(content)
-    result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", tmp_path / "in.jsonl",
-                 "--max-new-tokens", "10")
-    assert_one_line_error(result, *fragments)
-
-
-@pytest.mark.parametrize(
-    ("args", "fragments"),
-    [
-        (["hi", "--batch-size", "0"], ("--batch-size", "at least 1")),
-        (["hi", "--max-new-tokens", "0"], ("--max-new-tokens", "greater than or equal to 1")),
-        (["hi", "--prefetch-depth", "0"], ("--prefetch-depth", "greater than or equal to 1")),
-        (["hi", "--offload", "disk"], ("unknown --offload", "nvme")),
-        (["hi", "--sample", "--temperature", "0"], ("--temperature must be above 0",)),
-        (["hi", "--sample", "--top-p", "1.5"], ("--top-p",)),
-        (["--input", "/nonexistent.jsonl"], ("does not exist",)),
-        (["hi", "--output", "/nonexistent/out.jsonl"], ("folder /nonexistent does not exist",)),
-        ([], ("nothing to generate from",)),
-    ],
-)
-def test_bad_options(capsys, monkeypatch, layout, args, fragments):
-    result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", *args)
-    assert_one_line_error(result, *fragments)
-
-
-@pytest.mark.skipif(cuda_available(), reason="this machine has CUDA")
-def test_cuda_asked_for_where_there_is_none(capsys, monkeypatch, layout):
-    result = run(capsys, monkeypatch, "generate", "hello", "--model", layout, "--device", "cuda")
-    assert_one_line_error(result, "no usable CUDA device", "--device cpu")

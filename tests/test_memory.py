@@ -7,10 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-
-from zerolite.convert import convert
 from zerolite.layout import Layout
 
 DEPTH = 2
@@ -44,19 +40,14 @@ MEASURE = textwrap.dedent(
 )
 
 
-def llama_layout(folder, hidden: int, layers: int):
-    config = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder / "source")
-    convert(folder / "source", folder / "layout", show_progress=False)
-    return folder / "layout"
+def llama_layout(make_layout, hidden: int, layers: int):
+    return make_layout("llama", layers=layers, hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=8,
+                       num_key_value_heads=8, max_position_embeddings=64)
 
 
-def test_peak_rss_stays_within_the_ring_for_a_model_many_times_larger(tmp_path):
-    warm_up = llama_layout(tmp_path / "tiny", hidden=64, layers=2)
-    big = llama_layout(tmp_path / "big", hidden=512, layers=24)
+def test_peak_rss_stays_within_the_ring_for_a_model_many_times_larger(make_layout):
+    warm_up = llama_layout(make_layout, hidden=64, layers=2)
+    big = llama_layout(make_layout, hidden=512, layers=24)
     blocks = Layout.open(big).blocks
     layer = max(b.length for b in blocks if b.name.startswith("layers."))
     resident = sum(b.length for b in blocks if not b.name.startswith("layers."))

@@ -5,28 +5,20 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import zerolite
-from cli_runner import assert_one_line_error, run
-from zerolite.convert import convert
+from cli_runner import run
 from zerolite.machine import measure_disk
 from zerolite.profile import profile_run
 from zerolite.timeline import Timeline
 
 
 @pytest.fixture(scope="module")
-def layout(tmp_path_factory):
+def layout(make_layout):
     """A 300 MB fp32 Llama of 8 layers of 38 MB: big enough that reading a layer takes as long as
     computing it for a batch of 64 on two CPU cores, small enough to build in seconds."""
-    folder = tmp_path_factory.mktemp("profile")
-    config = LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=3072, num_hidden_layers=8,
-                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder / "source")
-    convert(folder / "source", folder / "layout", show_progress=False)
-    return folder / "layout"
+    return make_layout("llama", layers=8, tie=False, vocab_size=256, hidden_size=768, intermediate_size=3072,
+                       num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128)
 
 
 def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5):
@@ -69,7 +61,10 @@ def test_trace_shows_the_next_read_overlapping_compute_from_depth_2(capsys, monk
 def test_verdict_disk_bound_when_every_block_streams_for_a_small_batch(layout):
     report, _ = profiled(layout, "nvme", depth=6, batch=1)  # 5 layers (190 MB) read ahead: the disk is kept full
     assert report.bottleneck == "disk", report.verdict
-    assert report.verdict.startswith("disk-bound") and "of the measured" in report.verdict
+    # The step's reads are set against the cold measurement: "at N% of" it, or "faster than" it
+    # where caches below the guest serve repeated reads faster than a cold pass.
+    assert report.verdict.startswith("disk-bound")
+    assert "% of the measured" in report.verdict or "faster than the measured" in report.verdict, report.verdict
 
 
 def test_verdict_compute_bound_with_everything_resident_and_a_large_batch(layout):
@@ -98,17 +93,3 @@ def test_disk_only_reports_read_gbps(capsys, monkeypatch, tmp_path, layout):
     assert json.loads(result.stdout)["read_gbps"] > 0
     scratch = measure_disk(tmp_path, scratch_bytes=64 << 20)  # a folder: a scratch file is written, read, removed
     assert scratch["read_gbps"] > 0 and list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize(
-    ("args", "fragments"),
-    [
-        (["--disk", "/nonexistent"], ("--disk /nonexistent does not exist",)),
-        (["--new-tokens", "1"], ("--new-tokens", "greater than or equal to 2")),
-        (["--batch-size", "0"], ("--batch-size", "greater than or equal to 1")),
-        (["--plot", "/nonexistent/t.png"], ("folder /nonexistent does not exist",)),
-        (["--offload", "ssd"], ("unknown --offload",)),
-    ],
-)
-def test_bad_profile_options(capsys, monkeypatch, layout, args, fragments):
-    assert_one_line_error(run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", *args), *fragments)

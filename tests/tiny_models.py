@@ -18,22 +18,27 @@ from transformers import (
 VOCAB = 128
 
 
-def tiny_config(arch: str, layers: int = 3, tie: bool = True) -> PretrainedConfig:
+def tiny_config(arch: str, layers: int = 3, tie: bool = True, **overrides) -> PretrainedConfig:
+    """overrides: config fields for the tests that need a bigger or otherwise shaped model."""
     common = dict(vocab_size=VOCAB, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "llama":
-        return LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=layers, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256, **common)
-    if arch == "mistral":
-        return MistralConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=layers, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=256, sliding_window=None, **common)
-    if arch == "bloom":
-        return BloomConfig(hidden_size=64, n_layer=layers, n_head=4, **common)
-    if arch == "opt":
-        return OPTConfig(hidden_size=64, ffn_dim=160, num_hidden_layers=layers, num_attention_heads=4,
-                         max_position_embeddings=256, word_embed_proj_dim=64, **common)
-    if arch == "gpt2":
-        return GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=256, **common)
-    raise ValueError(arch)
+        config_class, shape = LlamaConfig, dict(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    elif arch == "mistral":
+        config_class, shape = MistralConfig, dict(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                                                  num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=256, sliding_window=None)
+    elif arch == "bloom":
+        config_class, shape = BloomConfig, dict(hidden_size=64, n_layer=layers, n_head=4)
+    elif arch == "opt":
+        config_class, shape = OPTConfig, dict(hidden_size=64, ffn_dim=160, num_hidden_layers=layers, num_attention_heads=4,
+                                              max_position_embeddings=256, word_embed_proj_dim=64)
+    elif arch == "gpt2":
+        config_class, shape = GPT2Config, dict(n_embd=64, n_layer=layers, n_head=4, n_positions=256)
+    else:
+        raise ValueError(arch)
+    # Constructor arguments, not attributes set afterwards: configs derive fields (head_dim) from them.
+    return config_class(**{**common, **shape, **overrides})
 
 
 def build_tiny_model(arch: str, seed: int = 0, **config_kwargs) -> torch.nn.Module:
