@@ -109,12 +109,6 @@ class SimulatedEvent:
         self.device.raise_failures()
         self.device.host_saw(self)
 
-    def query(self) -> bool:
-        if self._done.is_set():
-            self.device.host_saw(self)
-            return True
-        return False
-
     def elapsed_time(self, end: SimulatedEvent) -> float:
         self._done.wait()
         end._done.wait()
@@ -146,7 +140,7 @@ class SimulatedDevice(Device):
         self.random = random.Random(seed)
         self.failures: list[BaseException] = []
         self.compute = SimulatedStream(self, "compute", threaded=False)
-        # What the host has seen finish (synchronize, query). Apart from compute's clock: compute
+        # What the host has seen finish (synchronize). Apart from compute's clock: compute
         # waiting for an event on the device tells the host nothing, even though here the calling
         # thread is what waits.
         self.host_clock: dict[str, int] = {}
@@ -169,10 +163,6 @@ class SimulatedDevice(Device):
         stream = SimulatedStream(self, f"stream{len(self.streams)}", threaded=True)
         self.streams.append(stream)
         return stream
-
-    @contextmanager
-    def use_stream(self, stream):
-        yield
 
     def record(self, stream=None, timing: bool = False) -> SimulatedEvent:
         event = SimulatedEvent(self)
@@ -254,9 +244,6 @@ class SimulatedDevice(Device):
 
     def peak_allocated(self) -> int:
         return self.peak
-
-    def check(self) -> None:
-        self.synchronize()
 
     # copies and the ledger
 

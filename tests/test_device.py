@@ -16,8 +16,9 @@ import zerolite
 import zerolite.kv_cache
 import zerolite.resident
 from simulated_device import OrderingError, SimulatedDevice
+from zerolite.batching import MARGIN, largest_batch
 from zerolite.errors import ZeroliteError
-from zerolite.kv_cache import HostLayer, PartialOffloadCache
+from zerolite.kv_cache import HostLayer, PartialOffloadCache, kv_bytes_per_token
 from zerolite.layout import Layout
 from zerolite.machine import measure_host_to_device
 from zerolite.profile import profile_run
@@ -64,9 +65,8 @@ def refill_waits_for_copy(sim, lm):
 
 
 def compute_waits_for_kv_fetch(sim, lm):
-    """The K/V stream is made by generate, after every stream loading made."""
-    loaded = list(sim.streams)
-    sim.skipped_waits.append(lambda stream, event: stream is sim.compute and event.stream not in loaded)
+    fetches = lm.executor.kv_stream
+    sim.skipped_waits.append(lambda stream, event: stream is sim.compute and event.stream is fetches)
 
 
 REMOVALS = {
@@ -113,7 +113,7 @@ def test_without_ordering_compute_after_copies_the_teardown_race_is_caught(tiny)
     sim = SimulatedDevice(seed=7)
     lm = zerolite.load(layout, device=sim, offload="cpu", gpu_memory=0, show_progress=False)
     generate(lm)  # the read-ahead wraps into the next forward: the copy of its first layer is queued
-    compute_waits_for_copy(sim, lm)
+    refill_waits_for_copy(sim, lm)  # close() waits for the copy stream: taken away
     lm.close()
     assert not sim.compute_after_copies()
 
@@ -174,12 +174,12 @@ def test_kv_offload_neither_synchronises_the_device_nor_leaves_a_fetch_behind(ti
     monkeypatch.setattr(zerolite.kv_cache, "MIN_TOKENS", 1)  # the host buffers grow at every other step
     sim = SimulatedDevice(seed=5)
     synchronised = []
-    monkeypatch.setattr(sim, "synchronize", lambda stream=None: synchronised.append(stream))
     with sim.watching():
         with zerolite.load(layout, device=sim, offload="nvme", cpu_memory=0, gpu_memory=0, show_progress=False) as lm:
+            monkeypatch.setattr(sim, "synchronize", lambda stream=None: synchronised.append(stream))
             cache = PartialOffloadCache(lm.config, 1.0, sim)
             assert torch.equal(generate(lm, past_key_values=cache), expected)
-        assert synchronised == []
+            assert synchronised == []  # closing waits for the ring's copies; generating waits for nothing whole
     assert all(layer._fetched is None for layer in cache.layers if isinstance(layer, HostLayer))
 
 
@@ -213,3 +213,18 @@ def test_static_caches_are_refused_and_compilation_is_off(tiny):
             generate(lm, cache_implementation="static")
         with pytest.raises(ZeroliteError, match="static cache"):
             generate(lm, past_key_values=StaticCache(config=lm.config, max_cache_len=32))
+
+
+def test_batch_size_auto_counts_host_kv_at_what_pinning_takes(tiny, monkeypatch):
+    """With every layer's K/V in pinned host memory, a sequence costs its K/V doubled (the host
+    buffers grow by doubling), rounded as pinning rounds it."""
+    layout, _ = tiny
+    sim = SimulatedDevice(memory_bytes=1 << 40)  # device memory is never the limit here
+    with zerolite.load(layout, device=sim, cpu_memory=0, gpu_memory=0, kv_offload=1.0, show_progress=False) as lm:
+        prompt, new = 40, 24
+        kv = kv_bytes_per_token(lm.config, lm.model.dtype) * (prompt + new)
+        cost = sim.pinned_cost(2 * kv)
+        assert cost > 2 * kv
+        available = 100.5 * cost / (1 - MARGIN)
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("memory", "available total")(available, 1 << 40))
+        assert largest_batch(lm, [prompt] * 1000, new) == 100

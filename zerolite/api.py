@@ -111,13 +111,20 @@ class OffloadedLM:
             config.disable_compile = True
             if offload_kv:
                 config.cache_implementation = None
-        if offload_kv:
-            kwargs["past_key_values"] = PartialOffloadCache(self.model.config, fraction, self.device)
+        cache = PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_stream) if offload_kv else None
+        if cache is not None:
+            kwargs["past_key_values"] = cache
         try:
             return self.model.generate(*args, **kwargs)
         except BaseException:
+            # Copies still queued (the K/V appends of the layers that ran) must land before the
+            # buffers they touch are freed or refilled.
+            self.device.synchronize()
             self.executor.recover()
             raise
+        finally:
+            if cache is not None:
+                cache.settle()
 
     def close(self) -> None:
         self.executor.close()

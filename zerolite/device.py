@@ -11,16 +11,16 @@ device and pinned host memory, free memory.
 Three implementations: CudaDevice (the only code in the package that calls torch.cuda), CpuDevice
 (one memory: nothing to copy, nothing to wait for) and, for the tests, a simulated asynchronous
 device (tests/simulated_device.py) whose copies run on threads, so that a missing wait shows up as
-wrong bytes. Events follow torch.cuda.Event's interface: record(stream), synchronize(), query(),
+wrong bytes. Events follow torch.cuda.Event's interface: record(stream), synchronize() and
 elapsed_time(other) in milliseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import time
-from contextlib import contextmanager
 
 import psutil
 import torch
@@ -41,11 +41,6 @@ class Device:
         raise NotImplementedError
 
     def new_stream(self):
-        raise NotImplementedError
-
-    @contextmanager
-    def use_stream(self, stream):
-        """Work the body queues (tensor operations included) goes on stream."""
         raise NotImplementedError
 
     def record(self, stream=None, timing: bool = False):
@@ -95,9 +90,6 @@ class Device:
         """The most device memory tensors held at once (None where host memory is the device's)."""
         return None
 
-    def check(self) -> None:
-        """Raises an error the device met asynchronously (a failed kernel), if any."""
-
 
 class HostEvent:
     """An event on a device with one memory: everything queued has already run when it is made."""
@@ -105,14 +97,8 @@ class HostEvent:
     def __init__(self):
         self.time = time.perf_counter()
 
-    def record(self, stream=None) -> None:
-        self.time = time.perf_counter()
-
     def synchronize(self) -> None:
         pass
-
-    def query(self) -> bool:
-        return True
 
     def elapsed_time(self, end: HostEvent) -> float:
         return (end.time - self.time) * 1e3
@@ -131,10 +117,6 @@ class CpuDevice(Device):
 
     def new_stream(self):
         return self._STREAM
-
-    @contextmanager
-    def use_stream(self, stream):
-        yield
 
     def record(self, stream=None, timing: bool = False) -> HostEvent:
         return HostEvent()
@@ -175,11 +157,6 @@ class CudaDevice(Device):
     def new_stream(self):
         return torch.cuda.Stream(self.torch_device)
 
-    @contextmanager
-    def use_stream(self, stream):
-        with torch.cuda.stream(stream):
-            yield
-
     def record(self, stream=None, timing: bool = False):
         event = torch.cuda.Event(enable_timing=timing)
         event.record(stream if stream is not None else self.compute_stream())
@@ -217,35 +194,40 @@ class CudaDevice(Device):
     def peak_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.torch_device)
 
-    def check(self) -> None:
-        torch.cuda.synchronize(self.torch_device)
-
 
 class _Registration:
     """Keeps a host mapping registered with CUDA while any tensor uses it; on release, unregisters
     it before the mapping goes (the mmap is freed only after this object)."""
 
-    def __init__(self, mapping: mmap.mmap, address: int):
+    def __init__(self, mapping: mmap.mmap, address: int, cudart):
         self.mapping = mapping
         self.address = address
+        self.cudart = cudart  # held: looking it up again at interpreter exit or in a forked child fails
 
     def __del__(self):
-        torch.cuda.cudart().cudaHostUnregister(self.address)
+        with contextlib.suppress(Exception):  # nothing to do about a failure while freeing
+            self.cudart.cudaHostUnregister(self.address)
+
+
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
 
 
 def registered_host_memory(nbytes: int) -> torch.Tensor:
     """nbytes (a multiple of the page size) of anonymous memory, page-locked for the GPU."""
-    mapping = mmap.mmap(-1, nbytes)
+    # Private, not the default shared mapping: shmem-backed pages are shared with forked children
+    # and get no transparent huge pages.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     array = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
     address = ctypes.addressof(array)
-    status = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+    cudart = torch.cuda.cudart()
+    status = int(cudart.cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE))
     if status != 0:
         from zerolite.errors import ZeroliteError
 
         raise ZeroliteError(
             f"pinning {nbytes / 1e9:.2f} GB of host memory failed (cudaError {status}): lower --cpu-memory or --prefetch-depth"
         )
-    array._registration = _Registration(mapping, address)  # dies with the last tensor using the array
+    array._registration = _Registration(mapping, address, cudart)  # dies with the last tensor using the array
     tensor = torch.frombuffer(array, dtype=torch.uint8)
     assert tensor.data_ptr() % ALIGNMENT == 0
     return tensor

@@ -144,11 +144,21 @@ class HostLayer(DynamicLayer):
 class PartialOffloadCache(DynamicCache):
     """A DynamicCache with a fraction of its full-attention layers in host memory, spread evenly."""
 
-    def __init__(self, config: PretrainedConfig, fraction: float, device: Device):
+    def __init__(self, config: PretrainedConfig, fraction: float, device: Device, stream=None):
+        """stream: the one the K/V fetches go on (a new one if not given); an executor keeps one for
+        all its caches, since devices hand out streams from a small pool."""
         super().__init__(config=config)
-        stream = device.new_stream() if device.separate_memory else None
+        if device.separate_memory and stream is None:
+            stream = device.new_stream()
         for i in host_layers(self.layers, fraction):
             self.layers[i] = HostLayer(device, stream)
+
+    def settle(self) -> None:
+        """Waits for the appends and fetches still in flight: before the host buffers are freed
+        (unpinned and unmapped), nothing may still copy into or out of them."""
+        for layer in self.layers:
+            if isinstance(layer, HostLayer):
+                layer._settle()
 
     @property
     def offloaded(self) -> list[int]:

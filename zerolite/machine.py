@@ -106,6 +106,7 @@ def measure_host_to_device(device: Device, nbytes: int = 256 << 20, repeats: int
     host = device.pinned_empty(nbytes)
     target = device.empty(nbytes)
     stream = device.new_stream()
+    device.wait_stream(stream, device.compute_stream())  # target comes from the compute stream's memory
     best = 0.0
     for _ in range(repeats):
         begin = device.record(stream, timing=True)

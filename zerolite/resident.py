@@ -31,28 +31,31 @@ def load_resident(disk: DiskStore, names, device: Device, progress=None) -> Iter
         yield from ((name, memory.bytes_of(name)) for name in names)
         return
     copies = device.new_stream()
+    device.wait_stream(copies, device.compute_stream())  # the targets come from the compute stream's memory
     staging = [device.pinned_empty(STAGING_BYTES) for _ in range(2)] if names else []
     copied = [None, None]  # the event of the last copy out of each staging buffer
     turn = 0
-    for name in names:
-        length = disk.entry(name).length
-        target = device.empty(length)
-        crc = 0
-        for start in range(0, length, STAGING_BYTES):
-            piece = min(STAGING_BYTES, length - start)
-            buffer = staging[turn]
-            if copied[turn] is not None:
-                copied[turn].synchronize()  # the engine may not overwrite bytes a copy still reads
-            disk.wait(disk.submit(name, buffer, start, piece))
-            crc = zlib.crc32(buffer[:piece].numpy(), crc)
-            device.copy(target[start:start + piece], buffer[:piece], copies)
-            copied[turn] = device.record(copies)
-            turn = 1 - turn
-        disk.verify_crc(name, crc)
-        if progress is not None:
-            progress.advance(length)
-        yield name, target
-    device.wait_stream(device.compute_stream(), copies)
-    for event in copied:
-        if event is not None:
-            event.synchronize()  # the staging buffers are freed when this returns
+    try:
+        for name in names:
+            length = disk.entry(name).length
+            target = device.empty(length)
+            crc = 0
+            for start in range(0, length, STAGING_BYTES):
+                piece = min(STAGING_BYTES, length - start)
+                buffer = staging[turn]
+                if copied[turn] is not None:
+                    copied[turn].synchronize()  # the engine may not overwrite bytes a copy still reads
+                disk.wait(disk.submit(name, buffer, start, piece))
+                crc = zlib.crc32(buffer[:piece].numpy(), crc)
+                device.copy(target[start:start + piece], buffer[:piece], copies)
+                copied[turn] = device.record(copies)
+                turn = 1 - turn
+            disk.verify_crc(name, crc)
+            if progress is not None:
+                progress.advance(length)
+            yield name, target
+        device.wait_stream(device.compute_stream(), copies)
+    finally:
+        # The staging buffers are unpinned and freed when this returns, a failed read or checksum
+        # included: no copy may still read them.
+        device.synchronize(copies)

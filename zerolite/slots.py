@@ -65,6 +65,10 @@ class Slots:
         ]
         self._by_block: dict[str, Slot] = {}
         self._starts = 0
+        if self.separate:
+            # The device buffers were allocated on the compute stream; the copy stream writes them
+            # first, so it comes after whatever compute queued before they were handed out.
+            device.wait_stream(self.copy_stream, device.compute_stream())
 
     def want(self, names: list[str]) -> None:
         """Makes sure these blocks are here or on their way, refilling slots that hold none of them
@@ -154,13 +158,13 @@ class Slots:
                 self._forget(slot)
 
     def close(self) -> None:
-        """Before the buffers go: reads in flight are waited for, and compute is ordered after
-        every copy queued (the read-ahead may have queued copies for a forward that never comes),
-        so that the memory of a device buffer is not handed to the next allocation while a copy
-        still writes into it."""
+        """Before the buffers go: reads in flight are waited for, and so are copies (the read-ahead
+        may have queued copies for a forward that never comes). A copy still running would read a
+        host buffer about to be unpinned and unmapped, and write a device buffer the allocator is
+        about to hand to the next allocation."""
         self.drain()
         if self.separate:
-            self.device.wait_stream(self.device.compute_stream(), self.copy_stream)
+            self.device.synchronize(self.copy_stream)
 
     def _await(self, slot: Slot) -> None:
         ticket, slot.ticket = slot.ticket, None  # spent once waited for, whether the read failed or not
