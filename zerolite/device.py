@@ -25,6 +25,7 @@ import time
 import psutil
 import torch
 
+from zerolite.errors import ZeroliteError
 from zerolite.io import ALIGNMENT, align_up, aligned_empty
 
 
@@ -222,8 +223,6 @@ def registered_host_memory(nbytes: int) -> torch.Tensor:
     cudart = torch.cuda.cudart()
     status = int(cudart.cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE))
     if status != 0:
-        from zerolite.errors import ZeroliteError
-
         raise ZeroliteError(
             f"pinning {nbytes / 1e9:.2f} GB of host memory failed (cudaError {status}): lower --cpu-memory or --prefetch-depth"
         )
