@@ -27,7 +27,7 @@ MEASURE = textwrap.dedent(
 
     def run(layout):
         with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=int(sys.argv[3]), show_progress=False) as lm:
-            out = lm.generate(input_ids=torch.tensor([json.loads(sys.argv[4])]), max_new_tokens=int(sys.argv[5]),
+            out = lm.generate(input_ids=torch.tensor(json.loads(sys.argv[4])), max_new_tokens=int(sys.argv[5]),
                               do_sample=False, return_dict_in_generate=True)
             return sum(layer.keys.nbytes + layer.values.nbytes for layer in out.past_key_values.layers)
 
@@ -54,10 +54,33 @@ def test_peak_rss_stays_within_the_ring_for_a_model_many_times_larger(make_layou
     model_bytes = sum(b.length for b in blocks)
 
     result = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(warm_up), str(big), str(DEPTH), json.dumps(PROMPT), str(NEW_TOKENS)],
+        [sys.executable, "-c", MEASURE, str(warm_up), str(big), str(DEPTH), json.dumps([PROMPT]), str(NEW_TOKENS)],
         capture_output=True, text=True, check=True, timeout=300,
     )
     measured = json.loads(result.stdout)
     bound = (DEPTH + 2) * layer + resident + measured["kv_bytes"]
     assert model_bytes > 4 * bound
+    assert measured["growth"] < bound, f"peak RSS grew {measured['growth'] / 1e6:.1f} MB, bound {bound / 1e6:.1f} MB"
+
+
+def test_a_wide_head_over_a_large_batch_costs_its_logits_not_a_copy_per_sequence(make_layout):
+    """generate applies the head to the last position only, a strided view of the hidden states:
+    torch's slow path for it would expand the 16 MB bf16 head once per sequence (1 GB at batch 64)."""
+    batch, vocab = 64, 32000
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=8,
+                 max_position_embeddings=64, vocab_size=vocab, tie_word_embeddings=False)
+    warm_up = make_layout("llama", layers=2, dtype="bf16", **shape)
+    wide = make_layout("llama", layers=3, seed=1, dtype="bf16", **shape)
+    blocks = Layout.open(wide).blocks
+    layer = max(b.length for b in blocks if b.name.startswith("layers."))
+    head = Layout.open(wide).manifest.block("head").length
+
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(warm_up), str(wide), str(DEPTH), json.dumps([PROMPT] * batch), str(NEW_TOKENS)],
+        capture_output=True, text=True, check=True, timeout=300,
+    )
+    measured = json.loads(result.stdout)
+    logits = batch * vocab * 4 * 4  # fp32 logits, a few copies of them while sampling
+    bound = (DEPTH + 2) * layer + 2 * head + measured["kv_bytes"] + logits
+    assert batch * head > 4 * bound  # what the slow path would add
     assert measured["growth"] < bound, f"peak RSS grew {measured['growth'] / 1e6:.1f} MB, bound {bound / 1e6:.1f} MB"

@@ -168,4 +168,17 @@ def build_model(layout: Layout, device: torch.device) -> nn.Module:
     model.generation_config.disable_compile = True
     if model.generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
         model.generation_config.cache_implementation = None
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(contiguous_input)
     return model
+
+
+def contiguous_input(module: nn.Module, args: tuple) -> tuple:
+    """A Linear's input, made contiguous (a no-op when it is). On a CPU, torch runs linear on a
+    strided 16-bit 3-D input whose weight does not require grad on a slow path that also expands
+    the weight once per sequence: the head applied to generate's last position
+    (hidden[:, -1:, :]), for 16 sequences over a 32000 x 2048 bf16 head, took 5.1 s instead of
+    14 ms, and 64 sequences over a 32000 x 256 head took 1 GB. Copying that strided input costs a
+    few microseconds."""
+    return (args[0].contiguous(), *args[1:])
