@@ -98,7 +98,7 @@ class HostLayer(DynamicLayer):
                 and self.keys.stride() == view.stride())
 
     def _grow(self, length: int) -> None:
-        self._settle()
+        self.settle()
         capacity = max(2 * length, MIN_TOKENS)
         batch, heads, used = self.keys.shape[:3]
         grown = []
@@ -110,7 +110,7 @@ class HostLayer(DynamicLayer):
         self._buffers = tuple(grown)
         self.keys, self.values = (buffer[:used].permute(1, 2, 0, 3) for buffer in grown)
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Waits for this layer's appends still on their way to the host, and for a fetch still
         reading the host buffers, before the host copy is read or replaced there; a fetch not yet
         used is dropped."""
@@ -120,24 +120,24 @@ class HostLayer(DynamicLayer):
                 event.synchronize()
 
     def reset(self) -> None:
-        self._settle()
+        self.settle()
         self._buffers = None
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        self._settle()
+        self.settle()
         super().crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._settle()
+        self.settle()
         super().reorder_cache(beam_idx.cpu())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._settle()
+        self.settle()
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._settle()
+        self.settle()
         super().batch_select_indices(indices.cpu())
 
 
@@ -158,7 +158,7 @@ class PartialOffloadCache(DynamicCache):
         (unpinned and unmapped), nothing may still copy into or out of them."""
         for layer in self.layers:
             if isinstance(layer, HostLayer):
-                layer._settle()
+                layer.settle()
 
     @property
     def offloaded(self) -> list[int]:
