@@ -34,13 +34,13 @@ class TinyLayouts:
         return self._copy(self._made[key]) if fresh else self._made[key]
 
     def layout(self, arch: str = "llama", layers: int = 3, tie: bool = True, seed: int = 0, dtype: str | None = None,
-               fresh: bool = False, **config) -> Path:
-        """dtype: the conversion's --dtype (None keeps the checkpoint's)."""
-        key = ("layout", arch, layers, tie, seed, dtype, *sorted(config.items()))
+               weights: str | None = None, fresh: bool = False, **config) -> Path:
+        """dtype: the conversion's --dtype (None keeps the checkpoint's); weights: its --weights."""
+        key = ("layout", arch, layers, tie, seed, dtype, weights, *sorted(config.items()))
         if key not in self._made:
             source = self.source(arch, layers, tie, seed, **config)
             folder = self._tmp.mktemp(f"{arch}-layout") / "layout"
-            convert(source, folder, dtype=dtype, show_progress=False)
+            convert(source, folder, dtype=dtype, weights=weights, show_progress=False)
             self._made[key] = folder
         return self._copy(self._made[key]) if fresh else self._made[key]
 

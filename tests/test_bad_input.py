@@ -53,6 +53,13 @@ CASES = [
          id="convert-path-under-a-file", files={"a-file": ""}),
     case("convert {source} --path /proc/zerolite-layout", "cannot write to --path", id="convert-path-read-only"),
     case("convert {source} --path {tmp}/out --dtype fp8", "unknown --dtype", "bf16", id="convert-unknown-dtype"),
+    case("convert {source} --path {tmp}/out --weights int3", "unknown --weights 'int3'", "int8", id="convert-unknown-weights"),
+    case("convert {source} --path {tmp}/out --weights int4", "int4 is not built yet", "--weights int8",
+         id="convert-int4-weights-not-built-yet"),
+    case("convert {source} --path {tmp}/out --weights int8 --group-size 32", "--group-size", "one scale per output channel",
+         id="convert-group-size-for-int8"),
+    case("convert {source} --path {tmp}/out --group-size 32", "--group-size is for quantized weights", "--weights",
+         id="convert-group-size-without-weights"),
     case("convert", "Missing option '--path'", id="convert-missing-path-option"),
     # inspect
     case("inspect {tmp}", "no zerolite layout", "zerolite convert", id="inspect-no-layout"),

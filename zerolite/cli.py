@@ -55,6 +55,9 @@ def convert(
         typer.Argument(help="Model folder, .gguf file, or hub id in the local cache (default: the built-in SmolLM2-135M-Instruct)."),
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the config's dtype).")] = None,
+    weights: Annotated[str | None, typer.Option(help="int8: the decoder layers' Linear weights quantized, one scale per "
+                                                     "output channel, about half of bf16's bytes per step (default: the layout's dtype).")] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", help="Weights per scale, for grouped schemes.")] = None,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights (weights_only=True).")] = False,
 ) -> None:
     """Convert a checkpoint into an aligned layout that zerolite streams at full disk speed."""
@@ -62,8 +65,9 @@ def convert(
     from zerolite.gguf_source import builtin_gguf
 
     model = model or str(builtin_gguf())
-    manifest = run_convert(model, path, dtype=dtype, allow_pickle=allow_pickle)
-    print(f"{path}: {len(manifest.blocks)} blocks, {manifest.data_bytes / 1e9:.3f} GB of {manifest.dtype}")
+    manifest = run_convert(model, path, dtype=dtype, allow_pickle=allow_pickle, weights=weights, group_size=group_size)
+    kind = manifest.dtype + (f", {manifest.quantization['weights']} layer weights" if manifest.quantization else "")
+    print(f"{path}: {len(manifest.blocks)} blocks, {manifest.data_bytes / 1e9:.3f} GB of {kind}")
 
 
 @app.command()

@@ -28,6 +28,7 @@ from zerolite.io import aligned_empty
 from zerolite.manifest import DATA_FILE, MANIFEST, BlockEntry, Manifest, pack
 from zerolite.policy import default_layout_path
 from zerolite.progress import byte_progress
+from zerolite.quantize import LinearShape, WeightScheme, quantizable_linears
 
 JOURNAL = "convert.journal"
 LOCK = ".zerolite.lock"
@@ -40,16 +41,24 @@ def convert(
     dtype: str | None = None,
     allow_pickle: bool = False,
     show_progress: bool = True,
+    weights: str | None = None,
+    group_size: int | None = None,
 ) -> Manifest:
-    """Converts MODEL into a layout at path and returns its manifest (at once if it is already there)."""
+    """Converts MODEL into a layout at path and returns its manifest (at once if it is already there).
+
+    weights: "int8" stores the decoder layers' Linear weights quantized (zerolite.quantize); None
+    keeps them in the layout's dtype."""
+    scheme = WeightScheme.parse(weights, group_size)
     checkpoint = Checkpoint.open(model, allow_pickle)
     config = checkpoint.config()
     torch_dtype = choose_dtype(dtype, config)
     meta_model = build_meta_model(config, torch_dtype)
     blocks = partition(meta_model)
-    planned = plan_extents(meta_model, blocks)
+    targets = quantizable_linears(meta_model, blocks.layers_path) if scheme else {}
+    planned = plan_extents(meta_model, blocks, scheme, targets)
     source = {"model": source_name(model), "fingerprint": checkpoint.fingerprint()}
     dtype_name = str(torch_dtype).removeprefix("torch.")
+    quantization = scheme.to_manifest() if scheme else None
 
     out = prepare_folder(path, model, dtype)
     with exclusive_lock(out):
@@ -59,14 +68,18 @@ def convert(
                 f"{out} holds a layout of another model ({existing.source['model']}), not of {source['model']}: "
                 "choose another --path, or delete that folder to convert into it"
             )
-        if existing and existing.source["fingerprint"] == source["fingerprint"] and existing.dtype == dtype_name:
+        if (existing and existing.source["fingerprint"] == source["fingerprint"] and existing.dtype == dtype_name
+                and existing.quantization == quantization):
             return existing
         (out / MANIFEST).unlink(missing_ok=True)  # from here on the layout is not whole
 
-        header = {"fingerprint": source["fingerprint"], "dtype": dtype_name, "data_bytes": data_bytes(planned)}
+        header = {"fingerprint": source["fingerprint"], "dtype": dtype_name, "quantization": quantization,
+                  "data_bytes": data_bytes(planned)}
         done = read_journal(out, header)
         check_free_space(out, header["data_bytes"])
-        finished = write_blocks(checkpoint, meta_model, blocks, planned, torch_dtype, out, header, done, show_progress)
+        quantize = (lambda tensors: scheme.quantize_block(tensors, targets)) if scheme else (lambda tensors: tensors)
+        finished = write_blocks(checkpoint, meta_model, blocks, planned, torch_dtype, out, header, done, show_progress,
+                                quantize)
 
         for name in checkpoint.side_files():
             (out / name).parent.mkdir(exist_ok=True)
@@ -78,6 +91,7 @@ def convert(
             blocks=tuple(finished[name] for name in planned),
             aliases=blocks.aliases,
             source=source,
+            quantization=quantization,
         )
         write_atomically(out / MANIFEST, manifest.to_json())
         (out / JOURNAL).unlink()
@@ -101,12 +115,15 @@ def choose_dtype(dtype: str | None, config) -> torch.dtype:
     return configured if configured in DTYPE_CHOICES.values() else torch.float32
 
 
-def plan_extents(meta_model, blocks: BlockPartition) -> dict[str, BlockEntry]:
-    """Every block's place in the data file, from shapes alone (checksums still zero)."""
+def plan_extents(meta_model, blocks: BlockPartition, scheme: WeightScheme | None = None,
+                 targets: dict[str, LinearShape] | None = None) -> dict[str, BlockEntry]:
+    """Every block's place in the data file, from shapes alone (checksums still zero), as the
+    scheme quantizes them."""
     tensors = stored_tensors(meta_model)
     planned, offset = {}, 0
     for block in blocks.blocks:
-        entries, length = pack({name: tensors[name] for name in block.tensor_names})
+        stored = {name: tensors[name] for name in block.tensor_names}
+        entries, length = pack(scheme.meta_tensors(stored, targets) if scheme else stored)
         planned[block.name] = BlockEntry(block.name, offset, length, 0, tuple(entries))
         offset += length
     return planned
@@ -201,8 +218,10 @@ def check_free_space(out: Path, needed: int) -> None:
         )
 
 
-def write_blocks(checkpoint, meta_model, blocks, planned, dtype, out, header, done, show_progress) -> dict[str, BlockEntry]:
-    """Writes every block not yet done; each is durable before the journal records it."""
+def write_blocks(checkpoint, meta_model, blocks, planned, dtype, out, header, done, show_progress,
+                 quantize) -> dict[str, BlockEntry]:
+    """Writes every block not yet done, its tensors through quantize; each is durable before the
+    journal records it."""
     finished = dict(done)
     fd = os.open(out / DATA_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -212,7 +231,7 @@ def write_blocks(checkpoint, meta_model, blocks, planned, dtype, out, header, do
         with byte_progress("converting", todo_bytes, len(pending), enabled=show_progress) as progress, \
                 open(out / JOURNAL, "a") as journal:
             for block, tensors in iter_block_tensors(checkpoint, meta_model, blocks, dtype, skip=set(done)):
-                entry = write_block(fd, planned[block.name], tensors, out)
+                entry = write_block(fd, planned[block.name], quantize(tensors), out)
                 journal.write(json.dumps(asdict(entry)) + "\n")
                 journal.flush()
                 os.fsync(journal.fileno())

@@ -27,6 +27,7 @@ from zerolite.layout import Layout
 from zerolite.manifest import DTYPES
 from zerolite.plan import Plan
 from zerolite.policy import Policy
+from zerolite.quantized_linear import install as install_quantized_linears
 from zerolite.resident import load_resident
 from zerolite.schedule import Schedule
 from zerolite.slots import Slots
@@ -51,6 +52,7 @@ class Executor:
         self.timeline = timeline
         timeline.device = device
         self.model = build_model(layout, device.torch_device)
+        install_quantized_linears(self.model, manifest, device)
         self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_chunk_bytes)
         self.disk = DiskStore(layout, self.engine)
         self._bindings = {block.name: BlockBinding(self.model, block, manifest.aliases) for block in manifest.blocks}

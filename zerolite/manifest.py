@@ -34,6 +34,7 @@ DTYPES = {
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                   torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
 }
+QUANTIZED_WEIGHTS = ("int8",)  # the weight schemes this build converts and runs (zerolite.quantize)
 NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
@@ -73,6 +74,7 @@ class Manifest:
     aliases: dict[str, str]          # tied parameter -> the stored tensor it shares
     source: dict[str, str]           # what it was converted from: {"model", "fingerprint"}
     data_file: str = DATA_FILE
+    quantization: dict | None = None  # {"weights": "int8", ...} when the layers' Linear weights are quantized
 
     @property
     def data_bytes(self) -> int:
@@ -123,6 +125,8 @@ class Manifest:
             raise ValueError(f"data file {self.data_file!r} is not a plain file name inside the layout")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.quantization is not None and self.quantization.get("weights") not in QUANTIZED_WEIGHTS:
+            raise ValueError(f"unknown quantization {self.quantization!r}")
         if len(self._blocks_by_name) != len(self.blocks):
             raise ValueError("two blocks share a name")
         end = 0
