@@ -21,6 +21,8 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     if plan.on_disk:
         tiers.append(f"{len(plan.on_disk)} layers streamed from disk ({size(plan.on_disk)} per step: {layer_list(plan.on_disk)})")
     lines = ["plan: " + "; ".join(tiers)]
+    if manifest.quantization:
+        lines[0] += f" (layer weights {manifest.quantization['weights']})"
 
     config = lm.model.config
     layers = config.get_text_config(decoder=True).num_hidden_layers
