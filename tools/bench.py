@@ -3,24 +3,38 @@ count, every contender in a fresh process, the page cache dropped before each. R
 
     pip install -e '.[bench]'      # DeepSpeed; its NVMe path also needs: apt-get install libaio-dev
     python tools/bench.py --source build/llama19/source --layout build/llama19/layout \
-        --batch-size 16 --new-tokens 16 [--contenders zerolite-nvme,transformers-ram,...] [--json out.json]
+        --batch-size 16 --new-tokens 16 [--contenders zerolite-nvme,transformers-ram,...] \
+        [--repeat 5] [--memory-limit 1.5GB] [--json out.json]
 
 With --make-model, a missing --source is first built from the benchmark's config (a 1.9 GB bf16
 Llama: hidden 2048, 16 layers, intermediate 5632, vocab 32000, 16 heads; random weights) and a
 missing --layout converted from it.
 
 Printed per contender: start-to-ready (process start to model ready: interpreter, imports,
-loading), prefill, the median decode step, tokens/s over the whole generate, ms per token (the
-seeds' metric: wall time / (batch x new tokens)), ratios to zerolite --offload nvme, bytes read,
-and whether its tokens equal transformers' in RAM. Then the bound: max(disk, compute), the disk
-from the layers' bytes and the read speed measured here (O_DIRECT, cold), the compute from
-transformers' decode step with every weight in RAM.
+loading), prefill, the median decode step (with --repeat N, each contender runs N times, taking
+turns, and the figures are the medians over runs, with the decode step's spread: slowest run /
+median), tokens/s over the whole generate, ms per token (the seeds' metric: wall time / (batch x
+new tokens)), ratios to zerolite --offload nvme, the decode step against the bound, bytes read,
+peak RSS, and whether its tokens equal transformers' in RAM.
+
+The bound per decode step is max(disk, compute). The disk: a read-only pass of our own engine over
+the layers zerolite --offload nvme --cpu-memory 0 streams, in decode order, with no compute, once
+per decode step, run in each round with the page cache dropped first, like the contenders (a cold
+read is no bound: on virtual disks the host caches below the guest, and decode's repeated reads run
+far faster). fio's cold sequential read of the layout is printed beside it where fio is installed.
+The compute: transformers' decode step with every weight in RAM (with --memory-limit, from one
+more run of it, outside the limit).
+
+--memory-limit SIZE runs each contender in a memory cgroup of that size (v2 where available, else
+v1; swap limited too): below the model's size, contenders that lean on the page cache meet the
+disk as they do when the model really does not fit. One killed by the OOM killer is reported so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,15 +46,23 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from bench_cgroup import MemoryCgroup, parse_limit
+from bench_io import fio_gbps
+from zerolite.errors import ZeroliteError
+from zerolite.io import ALIGNMENT
 from zerolite.layout import Layout
-from zerolite.machine import drop_page_cache, measure_disk
+from zerolite.machine import DISK_READ_BYTES, drop_page_cache
+from zerolite.policy import Policy
+from zerolite.read_pass import read_pass
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONTENDERS = ["zerolite-nvme", "zerolite-nvme-half", "zerolite-cpu", "transformers-ram",
                       "deepspeed-nvme", "deepspeed-cpu", "accelerate-disk"]
 BASELINE = "zerolite-nvme"
+REFERENCE = "transformers-ram"  # every weight in RAM: its decode step is the compute bound
 BENCH_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, vocab_size=32000,
                     num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)
+FIO_CHUNK, FIO_DEPTH = 1 << 20, 32  # the engine's defaults
 
 
 def make_model(source: Path, layout: Path) -> None:
@@ -57,21 +79,20 @@ def make_model(source: Path, layout: Path) -> None:
         convert(str(source), layout)
 
 
-def run_contender(name: str, args, half_bytes: int, scratch: str) -> dict:
-    out = Path(scratch) / f"{name}.json"
-    drop_page_cache()
-    command = [sys.executable, str(HERE / "bench_contenders.py"), name, "--source", args.source, "--layout", args.layout,
-               "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
-               "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
-               "--out", str(out), "--started", str(time.time())]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
-    if done.returncode != 0 or not out.is_file():
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        return {"name": name, "error": f"exit {done.returncode}: {tail}"}
-    return json.loads(out.read_text())
+def at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of runs (1 or more)")
+    return int(text)
 
 
-def main() -> None:
+def memory_limit(text: str) -> int:
+    try:
+        return parse_limit(text)
+    except ZeroliteError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", required=True, help="the model as a transformers folder (safetensors)")
     parser.add_argument("--layout", required=True, help="the same model converted by zerolite")
@@ -81,74 +102,181 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
+    parser.add_argument("--repeat", type=at_least_one, default=1, help="runs of each contender (taking turns); medians are shown")
+    parser.add_argument("--memory-limit", type=memory_limit, default=None,
+                        help="run each contender in a memory cgroup of this size (1.5GB, 1536MiB)")
     parser.add_argument("--scratch", default=None, help="folder for DeepSpeed's NVMe swap and accelerate's offload "
                         "(default: a temporary folder beside --layout, on its disk)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one contender may take")
     parser.add_argument("--json", default=None, help="write every figure here too")
-    args = parser.parse_args()
+    return parser
+
+
+def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | None) -> dict:
+    out = Path(scratch) / f"{name}.json"
+    out.unlink(missing_ok=True)  # a result left by the round before is not this run's
+    command = [sys.executable, str(HERE / "bench_contenders.py"), name, "--source", args.source, "--layout", args.layout,
+               "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
+               "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
+               "--out", str(out), "--started", str(time.time())]
+    cgroup = MemoryCgroup.create(name, limit) if limit else None
+    drop_page_cache()
+    try:
+        done = subprocess.run(cgroup.wrap(command) if cgroup else command, capture_output=True, text=True,
+                              timeout=args.timeout, check=False)
+        oom_kills = cgroup.oom_kills() if cgroup else 0
+    except subprocess.TimeoutExpired:
+        return {"name": name, "error": f"timed out after {args.timeout} s"}
+    finally:
+        if cgroup:
+            cgroup.remove()
+    if done.returncode != 0 or not out.is_file():
+        if oom_kills:
+            return {"name": name, "oom_killed": True,
+                    "error": f"killed by the OOM killer inside its {limit / 1e9:.2f} GB memory limit"}
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        return {"name": name, "error": f"exit {done.returncode}: {tail}"}
+    return json.loads(out.read_text())
+
+
+def fio_cold_gbps(layout: Layout) -> float | None:
+    """fio's cold sequential O_DIRECT read of the layout's weights; None without fio."""
+    if not shutil.which("fio"):
+        return None
+    size = min(layout.data_path.stat().st_size, DISK_READ_BYTES) // ALIGNMENT * ALIGNMENT
+    drop_page_cache()
+    return round(fio_gbps(str(layout.data_path), size, FIO_CHUNK, FIO_DEPTH), 3)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     console = Console(width=None if sys.stdout.isatty() else 200)  # the table stays whole in a log
     if args.make_model:
         make_model(Path(args.source), Path(args.layout))
 
-    manifest = Layout.open(args.layout).manifest
-    layer_bytes = sorted(manifest.block(name).length for name in manifest.layer_names)
+    layout = Layout.open(args.layout)
+    manifest = layout.manifest
+    layers = list(manifest.layer_names)  # what zerolite --offload nvme --cpu-memory 0 streams at every step
+    layer_bytes = sorted(manifest.block(name).length for name in layers)
     half_bytes = sum(layer_bytes[: len(layer_bytes) // 2])
     streamed = sum(layer_bytes)
-    read_gbps = statistics.median(measure_disk(args.layout)["read_gbps"] for _ in range(3))
-    console.print(f"disk: {read_gbps:.2f} GB/s O_DIRECT (median of 3, cold); layers {streamed / 1e9:.2f} GB; "
-                  f"batch {args.batch_size}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens")
+    decode_steps = max(args.new_tokens - 1, 1)
+    fio = fio_cold_gbps(layout)
+    limit = f", each contender in a {args.memory_limit / 1e9:.2f} GB memory cgroup" if args.memory_limit else ""
+    console.print(f"layers {streamed / 1e9:.2f} GB; batch {args.batch_size}, {args.prompt_tokens}-token prompts, "
+                  f"{args.new_tokens} new tokens; {args.repeat} run(s) of each{limit}", highlight=False)
 
-    results = {}
-    with tempfile.TemporaryDirectory(dir=Path(args.layout).resolve().parent, prefix="bench-") as scratch:
-        for name in args.contenders.split(","):
-            console.print(f"running {name} ...")
-            results[name] = run_contender(name, args, half_bytes, scratch)
-            if "error" in results[name]:
-                console.print(f"  {name} failed: {results[name]['error']}", highlight=False)
-    report(console, results, args, read_gbps, streamed, manifest.data_bytes)
+    passes, runs = [], {name: [] for name in args.contenders.split(",")}
+    with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.layout).resolve().parent, prefix="bench-") as scratch:
+        for round_ in range(args.repeat):
+            drop_page_cache()
+            passes.append(read_pass(layout, layers, passes=decode_steps, depth=Policy().prefetch_depth))
+            console.print(f"round {round_ + 1}: read-only pass {passes[-1]['median_pass_s']:.3f} s per step "
+                          f"({passes[-1]['read_gbps']:.2f} GB/s)", highlight=False)
+            for name in runs:
+                console.print(f"running {name} ...")
+                runs[name].append(run_contender(name, args, half_bytes, scratch, args.memory_limit))
+                if "error" in runs[name][-1]:
+                    console.print(f"  {name}: {runs[name][-1]['error']}", highlight=False)
+        if args.memory_limit:
+            # The compute bound is a step with every weight in RAM: inside the limit the reference
+            # would page its weights in from disk, so it runs once more, unlimited.
+            console.print(f"running {REFERENCE} without the memory limit, for the compute bound ...")
+            compute = summarise(REFERENCE, [run_contender(REFERENCE, args, half_bytes, scratch, None)], args)
+        else:
+            compute = None
+    results = {name: summarise(name, done, args) for name, done in runs.items()}
+    bound = bounds(passes, fio, compute or results.get(REFERENCE, {}), streamed)
+    report(console, results, args, bound, manifest.data_bytes)
     if args.json:
-        Path(args.json).write_text(json.dumps({"read_gbps": read_gbps, "layer_bytes": streamed, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"layer_bytes": streamed, "memory_limit_bytes": args.memory_limit,
+                                               "repeat": args.repeat, "bound": bound, "read_passes": passes,
+                                               "unlimited_reference": compute, "results": results}, indent=2))
 
 
-def report(console: Console, results: dict, args, read_gbps: float, streamed: int, model_bytes: int) -> None:
+def summarise(name: str, runs: list[dict], args) -> dict:
+    """One contender's figures: medians over its runs that finished; every run kept."""
     tokens = args.batch_size * args.new_tokens
-    ok = {name: r for name, r in results.items() if "error" not in r}
-    for r in ok.values():
+    finished = [r for r in runs if "error" not in r]
+    for r in finished:
         r["decode_step_s"] = statistics.median(r["step_s"]) if r["step_s"] else None
         r["tokens_per_s"] = tokens / r["generate_s"]
         r["ms_per_token"] = 1e3 * r["generate_s"] / tokens
-    base = ok.get(BASELINE)
-    reference = ok.get("transformers-ram")
-    table = Table(title="tools/bench: same model, batch and new tokens; page cache dropped before each contender")
-    for column in ("contender", "ready s", "prefill s", "decode step s", "tokens/s", "ms/token", "tokens/s vs zerolite",
-                   "ready vs zerolite", "GB read", "same tokens"):
+    summary = {"name": name, "runs": runs, "failed_runs": len(runs) - len(finished)}
+    if not finished:
+        summary["error"] = runs[-1]["error"]
+        summary["oom_killed"] = any(r.get("oom_killed") for r in runs)
+        return summary
+    steps = [r["decode_step_s"] for r in finished if r["decode_step_s"] is not None]
+    for key in ("ready_s", "prefill_s", "tokens_per_s", "ms_per_token", "peak_rss_bytes", "bytes_read"):
+        if all(key in r for r in finished):
+            summary[key] = statistics.median(r[key] for r in finished)
+    summary["decode_step_s"] = statistics.median(steps) if steps else None
+    summary["decode_step_spread"] = max(steps) / statistics.median(steps) if steps else None  # slowest run / median
+    summary["tokens"] = finished[0]["tokens"]
+    return summary
+
+
+def bounds(passes: list[dict], fio: float | None, reference: dict, streamed: int) -> dict:
+    """Per decode step: the read-only pass (median over rounds of each round's median pass), the
+    compute of transformers in RAM (reference: its summary), and the larger of the two."""
+    disk_s = statistics.median(p["median_pass_s"] for p in passes)
+    compute_s = reference.get("decode_step_s")
+    return {"read_pass_s": disk_s, "read_pass_gbps": round(streamed / disk_s / 1e9, 3),
+            "read_pass_spread": max(p["median_pass_s"] for p in passes) / disk_s,
+            "fio_cold_gbps": fio, "fio_cold_s": streamed / (fio * 1e9) if fio else None,
+            "compute_s": compute_s, "bound_s": max(disk_s, compute_s or 0.0)}
+
+
+def report(console: Console, results: dict, args, bound: dict, model_bytes: int) -> None:
+    finished = {name: r for name, r in results.items() if "error" not in r}
+    base, reference = finished.get(BASELINE), finished.get(REFERENCE)
+    title = "tools/bench: same model, batch and new tokens; page cache dropped before each contender"
+    if args.repeat > 1:
+        title += f"; medians of {args.repeat} runs"
+    table = Table(title=title)
+    columns = ["contender", "ready s", "prefill s", "decode step s", "step spread", "tokens/s", "ms/token",
+               "tokens/s vs zerolite", "ready vs zerolite", "step vs bound", "GB read", "peak RSS GB", "same tokens"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "contender" else "right")
     for name, r in results.items():
         if "error" in r:
-            table.add_row(name, *["-"] * 8, "failed")
+            table.add_row(name, *["-"] * (len(columns) - 2), "OOM-killed" if r["oom_killed"] else "failed")
             continue
         same = "-" if reference is None else ("yes" if r["tokens"] == reference["tokens"] else "NO")
+        if r["failed_runs"]:
+            same += f" ({r['failed_runs']} of {len(r['runs'])} runs failed)"
+        step = r["decode_step_s"]
         table.add_row(
-            name, f"{r['ready_s']:.1f}", f"{r['prefill_s']:.2f}", f"{r['decode_step_s']:.3f}", f"{r['tokens_per_s']:.2f}",
-            f"{r['ms_per_token']:.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
+            name, f"{r['ready_s']:.1f}", f"{r['prefill_s']:.2f}", f"{step:.3f}", f"{r['decode_step_spread']:.2f}x",
+            f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}",
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
             f"{r['ready_s'] / base['ready_s']:.1f}x" if base else "-",
-            f"{r['bytes_read'] / 1e9:.1f}" if "bytes_read" in r else "-", same,
+            f"{step / bound['bound_s']:.2f}x", f"{r['bytes_read'] / 1e9:.1f}" if "bytes_read" in r else "-",
+            f"{r['peak_rss_bytes'] / 1e9:.2f}", same,
         )
     console.print(table)
-    disk_s = streamed / (read_gbps * 1e9)
-    compute_s = reference["decode_step_s"] if reference else None
-    line = f"bound per decode step: disk {disk_s:.3f} s ({streamed / 1e9:.2f} GB at {read_gbps:.2f} GB/s)"
-    if compute_s:
-        line += f", compute {compute_s:.3f} s (transformers in RAM): max {max(disk_s, compute_s):.3f} s"
-    console.print(line, highlight=False)
+    disk = (f"disk per decode step: read-only pass {bound['read_pass_s']:.3f} s ({bound['read_pass_gbps']:.2f} GB/s, "
+            f"spread {bound['read_pass_spread']:.2f}x over rounds); ")
+    if bound["fio_cold_gbps"]:
+        disk += f"fio's cold read {bound['fio_cold_gbps']:.2f} GB/s ({bound['fio_cold_s']:.3f} s), not the bound"
+    else:
+        disk += "fio not installed (apt-get install fio): no cold figure"
+    console.print(disk, highlight=False)
+    if bound["compute_s"]:
+        console.print(f"bound per decode step: max(read-only pass {bound['read_pass_s']:.3f} s, compute "
+                      f"{bound['compute_s']:.3f} s of transformers in RAM) = {bound['bound_s']:.3f} s", highlight=False)
+    else:
+        console.print(f"bound per decode step: the read-only pass alone, {bound['bound_s']:.3f} s ({REFERENCE} did not "
+                      "finish: no compute figure)", highlight=False)
     if base:
         console.print(f"zerolite --offload nvme decode step: {base['decode_step_s']:.3f} s = "
-                      f"{base['decode_step_s'] / disk_s:.2f}x the disk bound"
-                      + (f", {base['decode_step_s'] / max(disk_s, compute_s):.2f}x max(disk, compute)" if compute_s else ""),
-                      highlight=False)
-    if "accelerate-disk" in ok and model_bytes < psutil.virtual_memory().total:
-        console.print("accelerate-disk: the model fits in RAM here, so after its first pass its layer reads come from "
-                      "the page cache, not the disk", highlight=False)
+                      f"{base['decode_step_s'] / bound['read_pass_s']:.2f}x the read-only pass, "
+                      f"{base['decode_step_s'] / bound['bound_s']:.2f}x the bound", highlight=False)
+    room = min(psutil.virtual_memory().total, args.memory_limit or float("inf"))
+    if "accelerate-disk" in finished and model_bytes < room:
+        console.print("accelerate-disk: the model fits in the memory it may use here, so after its first pass its "
+                      "layer reads come from the page cache, not the disk", highlight=False)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def make_file(path: str, nbytes: int) -> None:
 
 def fio_gbps(path: str, nbytes: int, chunk_bytes: int, depth: int) -> float:
     out = subprocess.run(
-        ["fio", "--name=seq", f"--filename={path}", "--rw=read", "--direct=1", "--ioengine=io_uring",
+        ["fio", "--name=seq", f"--filename={path}", "--readonly", "--rw=read", "--direct=1", "--ioengine=io_uring",
          f"--bs={chunk_bytes}", f"--iodepth={depth}", f"--size={nbytes}", "--output-format=json"],
         check=True, capture_output=True, text=True,
     ).stdout

@@ -274,13 +274,16 @@ def show_report(report) -> None:
         return f"{gbps:.2f} GB/s" if gbps is not None else "-"
 
     rows = [
-        ("disk read bandwidth (measured)", rate(report.read_gbps)),
+        ("disk read bandwidth (read-only pass of the streamed blocks)", rate(report.read_gbps)),
         ("host-to-device bandwidth (measured)", rate(report.h2d_gbps)),
         ("prefill step", f"{report.prefill_s * 1e3:.1f} ms"),
+        ("  compute per token (decode's per sequence)",
+         f"{report.prefill_compute_per_token_s * 1e3:.2f} ms ({report.decode_compute_per_token_s * 1e3:.2f} ms)"
+         + (" slow" if report.slow_prefill else "")),
         ("decode step (median)", f"{report.decode_step_s * 1e3:.1f} ms"),
         ("  compute waiting for bytes", f"{report.wait_s * 1e3:.1f} ms"),
         ("  compute", f"{report.compute_s * 1e3:.1f} ms"),
-        ("  I/O at the measured bandwidth", f"{report.io_s * 1e3:.1f} ms"),
+        ("  I/O at the read-only pass's rate" if report.read_gbps else "  I/O at the measured bandwidth", f"{report.io_s * 1e3:.1f} ms"),
         ("streamed per step", f"{report.streamed_bytes_per_step / 1e9:.3f} GB"),
         ("achieved read rate", rate(report.achieved_read_gbps)),
         ("share of the bound", f"{report.share_of_bound:.0%}"),

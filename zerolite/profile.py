@@ -1,13 +1,16 @@
 """`zerolite profile`: a short generation on a timeline, the machine measured beside it, and a verdict.
 
     report = profile_run(lm, timeline, batch_size=8, new_tokens=8)
-    report.verdict        # "disk-bound: reading at 92% of the measured 2.1 GB/s; ..."
+    report.verdict        # "disk-bound: 0.30 GB move per step at 92% of the read-only pass's 2.1 GB/s; ..."
 
 The arithmetic, per decode step (the prefill step is reported apart):
-  I/O      = bytes streamed per step / measured read bandwidth (host-to-device on CUDA with a memory home)
+  I/O      = bytes streamed per step / the read-only pass's rate (zerolite.read_pass: the engine reads
+             the streamed blocks in decode order, once per decode step, with no compute), or the
+             measured host-to-device bandwidth on CUDA with a memory home
   compute  = step time - time compute sat waiting for its block's bytes
   bound    = max(I/O, compute): the best a perfect overlap could do
   overlap  = step / bound (1.00 = perfect)
+and the prefill is set beside decode: its compute per token against a decode step's compute per sequence.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from zerolite.api import OffloadedLM
-from zerolite.machine import measure_disk, measure_host_to_device
+from zerolite.machine import measure_host_to_device
+from zerolite.manifest import DTYPES
+from zerolite.read_pass import read_pass
 from zerolite.timeline import Span, Timeline
 
-DISK_RUNS = 2   # best of: disks (virtual ones above all) have slow moments
 WAITING = 0.15  # compute waiting less than this share of a step is not held up by transfers
 BUSY = 0.85     # a link carrying data this share of a step (or more) is the one holding it up...
 FULL = 0.7      # ...unless it moves them below this share of its measured bandwidth while
                 # fewer bytes are in flight than the engine's queue holds: then deeper prefetch helps
+SLOW_PREFILL = 2.0  # a prefill whose compute per token is this many times decode's (or more) is off its fast path
 
 
 @dataclass
@@ -34,16 +39,21 @@ class Report:
     prefetch_depth: int
     batch_size: int
     new_tokens: int
-    read_gbps: float | None             # measured: O_DIRECT sequential reads where the layout lives
+    dtype: str                          # the layout's
+    read_gbps: float | None             # the read-only pass of the streamed blocks, after the run (zerolite.read_pass)
     h2d_gbps: float | None              # measured: pinned host-to-device copies (CUDA)
     streamed_bytes_per_step: int
+    prompt_tokens: int
     prefill_s: float
+    prefill_compute_per_token_s: float  # the prefill's compute (its waits for bytes left out) / (batch x prompt tokens)
+    decode_compute_per_token_s: float   # a decode step's compute / batch
+    slow_prefill: bool                  # the first above the second by SLOW_PREFILL times or more
     step_s: list[float]                 # every decode step
     decode_step_s: float                # their median
     wait_s: float                       # per step, compute waiting on bytes (median)
     link_busy: float                    # share of a step with a read (or copy) in flight (median)
     in_flight_bytes: int                # bytes in transfer at once, on average over a step (median)
-    io_s: float                         # per step, streamed bytes at the measured bandwidth
+    io_s: float                         # per step, streamed bytes at the read-only pass's rate (or the measured copy rate)
     compute_s: float                    # per step, step minus waiting
     achieved_read_gbps: float | None
     share_of_bound: float               # bound / step: 1.0 when the step is as short as it can be
@@ -58,7 +68,8 @@ class Report:
 
 def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens: int, prompt_tokens: int,
                 seed: int = 0) -> Report:
-    """Generates new_tokens for a batch of random prompts on the timeline, then measures the machine."""
+    """Generates new_tokens for a batch of random prompts on the timeline, then measures the machine:
+    the read-only pass over the blocks the run streamed from disk, as many passes as it had decode steps."""
     manifest = lm.layout.manifest
     plan = lm.plan
     vocab = lm.model.config.get_text_config().vocab_size
@@ -71,9 +82,10 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     timeline.resolve()
     # Measured after the run, not before: reading the whole layout first can change how fast a
     # virtual disk then serves the run (caches below the guest), which would misjudge the run.
-    read_gbps = max(
-        measure_disk(lm.layout.folder, engine=lm.engine)["read_gbps"] for _ in range(DISK_RUNS)
-    ) if plan.on_disk else None
+    # At least two slots, so that a depth-1 ring, which idles the disk, is judged against what
+    # the disk can do, not against its own gaps.
+    read_gbps = read_pass(lm.layout, plan.on_disk, passes=max(new_tokens - 1, 1), engine=lm.engine,
+                          depth=max(lm.policy.prefetch_depth, 2))["read_gbps"] if plan.on_disk else None
     h2d_gbps = measure_host_to_device(lm.device)
 
     # The link a step waits on: the disk when any layer streams from it, else the copy to the GPU.
@@ -82,15 +94,16 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     else:
         streamed = manifest.nbytes(plan.streamed)
         transfer_gbps = h2d_gbps if lm.device.separate_memory and plan.streamed else None
-    return analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens)
+    return analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens, prompt_tokens)
 
 
 def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_gbps, transfer_gbps,
-            batch_size: int, new_tokens: int) -> Report:
+            batch_size: int, new_tokens: int, prompt_tokens: int) -> Report:
     steps = timeline.on("step")
     decode = steps[1:] or steps
     step_s = [s.duration for s in decode]
     waits = [sum(w.duration for w in within(timeline.on("wait"), s)) for s in decode]
+    prefill_compute = max(steps[0].duration - sum(w.duration for w in within(timeline.on("wait"), steps[0])), 0.0)
     transfers = timeline.on("read") + timeline.on("copy")
     busy = [covered(transfers, s) / s.duration for s in decode]
     in_flight = [sum(overlap(t, s) * t.args.get("bytes", 0) for t in transfers) / s.duration for s in decode]
@@ -98,11 +111,17 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
     io = streamed / (transfer_gbps * 1e9) if transfer_gbps else 0.0
     compute = max(step - wait, 0.0)
     bound = max(io, compute)
+    prefill_per_token = prefill_compute / (batch_size * prompt_tokens)
+    decode_per_token = compute / batch_size
     policy = lm.policy
     report = Report(
         device=lm.device.name, offload=policy.offload, prefetch_depth=policy.prefetch_depth,
-        batch_size=batch_size, new_tokens=new_tokens, read_gbps=read_gbps, h2d_gbps=h2d_gbps,
-        streamed_bytes_per_step=streamed, prefill_s=round(steps[0].duration, 4), step_s=[round(s, 4) for s in step_s],
+        batch_size=batch_size, new_tokens=new_tokens, dtype=lm.layout.manifest.dtype, read_gbps=read_gbps,
+        h2d_gbps=h2d_gbps, streamed_bytes_per_step=streamed, prompt_tokens=prompt_tokens,
+        prefill_s=round(steps[0].duration, 4), prefill_compute_per_token_s=round(prefill_per_token, 6),
+        decode_compute_per_token_s=round(decode_per_token, 6),
+        slow_prefill=decode_per_token > 0 and prefill_per_token >= SLOW_PREFILL * decode_per_token,
+        step_s=[round(s, 4) for s in step_s],
         decode_step_s=round(step, 4), wait_s=round(wait, 4), link_busy=round(median(busy), 3),
         in_flight_bytes=int(median(in_flight)), io_s=round(io, 4), compute_s=round(compute, 4),
         achieved_read_gbps=round(streamed / step / 1e9, 3) if streamed and step else None,
@@ -111,6 +130,7 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
     )
     engine = lm.engine
     judge(report, transfer_gbps, "disk" if lm.plan.on_disk else "copy", engine.queue_depth * engine.chunk_bytes)
+    judge_prefill(report)
     return report
 
 
@@ -134,21 +154,20 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
         return
     rate = r.achieved_read_gbps / r.link_busy / transfer_gbps if transfer_gbps and r.achieved_read_gbps and r.link_busy else 1.0
     too_few = rate < FULL and r.in_flight_bytes < queue_bytes
+    source = "the read-only pass's" if link == "disk" else "the measured"
+    bound = f"{source} {transfer_gbps or 0:.2f} GB/s"
     if r.link_busy >= BUSY and not too_few:
         r.bottleneck = link
-        rate = ""
-        if transfer_gbps:
-            share = r.achieved_read_gbps / transfer_gbps
-            rate = f" at {share:.0%} of" if share <= 1 else " faster than"
-            rate += f" the measured {transfer_gbps:.2f} GB/s"
-        r.verdict = f"{link}-bound: {r.streamed_bytes_per_step / 1e9:.2f} GB move per step{rate}"
+        share = f" at {r.achieved_read_gbps / transfer_gbps:.0%} of {bound}" if transfer_gbps else ""
+        r.verdict = f"{link}-bound: {r.streamed_bytes_per_step / 1e9:.2f} GB move per step{share}"
         if r.compute_s > 0 and r.io_s > r.compute_s:
             bigger = int(r.batch_size * r.io_s / r.compute_s)
             if bigger > r.batch_size:
                 r.verdict += f"; a batch of {bigger} would cost nothing more per step"
                 r.advice.append(f"raise --batch-size towards {bigger}: compute ({r.compute_s:.3f} s) hides under the {link} ({r.io_s:.3f} s) until then")
-        r.advice.append("move fewer bytes: a bf16/fp16 layout instead of fp32, or keep more layers where they need no "
-                        "read: a larger --cpu-memory (host) or --gpu-memory (GPU) budget, each layer kept saves its transfer")
+        r.advice.append(fewer_bytes(r.dtype))
+        r.advice.append("or keep more layers where they need no read: a larger --cpu-memory (host) or --gpu-memory (GPU) "
+                        "budget, each layer kept saves its transfer")
         if r.device.startswith("cuda"):
             r.advice.append("if a larger batch does not fit on the GPU, --kv-offload 0.5 keeps half the K/V cache in host memory")
         return
@@ -156,8 +175,7 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
     if r.link_busy >= BUSY:
         r.verdict = (
             f"prefetch-starved: compute waits {r.wait_s:.3f} s of each {r.decode_step_s:.3f} s step while too few bytes are "
-            f"in flight ({r.in_flight_bytes / 1e6:.0f} MB on average) to use the {link}: {rate:.0%} of its measured "
-            f"{transfer_gbps:.2f} GB/s"
+            f"in flight ({r.in_flight_bytes / 1e6:.0f} MB on average) to use the {link}: {rate:.0%} of {bound}"
         )
     else:
         r.verdict = (
@@ -165,6 +183,30 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
             f"is idle {1 - r.link_busy:.0%} of it: reads start too late"
         )
     r.advice.append(f"raise --prefetch-depth to {max(r.prefetch_depth + 1, 2 * r.prefetch_depth)}, so that more blocks are read while one computes")
+
+
+def fewer_bytes(dtype: str) -> str:
+    """What moves fewer bytes per step for a layout of this dtype: 8-bit weights, and for a 32-bit
+    layout a 16-bit one too (never advised to a layout that is 16-bit already)."""
+    size = DTYPES[dtype].itemsize
+    advice = f"move fewer bytes: int8 weights (zerolite convert MODEL --weights int8) read 1 byte per weight against this {dtype} layout's {size}"
+    if size > 2:
+        advice += "; a bf16 layout (zerolite convert MODEL --dtype bf16) reads 2"
+    return advice
+
+
+def judge_prefill(r: Report) -> None:
+    """A prefill computes many positions per weight it reads, so its compute per token should be
+    well below a decode step's per sequence; far above, some matmul in it is off its fast path
+    (torch's CPU kernels have slow paths for strided 16-bit inputs, for one)."""
+    if not r.slow_prefill:
+        return
+    times = r.prefill_compute_per_token_s / r.decode_compute_per_token_s
+    r.verdict += (f"; prefill is slow for its size: {r.prefill_compute_per_token_s * 1e3:.1f} ms of compute per token "
+                  f"({r.batch_size} x {r.prompt_tokens} tokens), {times:.1f}x decode's "
+                  f"{r.decode_compute_per_token_s * 1e3:.1f} ms per sequence")
+    r.advice.append("the prefill runs some layer on a slow kernel (torch's CPU linear on a strided 16-bit input is one): "
+                    "the prefill step's compute spans in --trace show which")
 
 
 def covered(spans: list[Span], outer: Span) -> float:
