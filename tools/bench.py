@@ -65,7 +65,10 @@ BENCH_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=56
 FIO_CHUNK, FIO_DEPTH = 1 << 20, 32  # the engine's defaults
 
 
-def make_model(source: Path, layout: Path) -> None:
+QUANTIZED = "-int8"  # contenders whose name ends so run --int8-layout
+
+
+def make_model(source: Path, layout: Path, int8_layout: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,6 +80,8 @@ def make_model(source: Path, layout: Path) -> None:
         model.save_pretrained(source)
     if not (layout / "manifest.json").is_file():
         convert(str(source), layout)
+    if not (int8_layout / "manifest.json").is_file():
+        convert(str(source), int8_layout, weights="int8")
 
 
 def at_least_one(text: str) -> int:
@@ -96,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", required=True, help="the model as a transformers folder (safetensors)")
     parser.add_argument("--layout", required=True, help="the same model converted by zerolite")
-    parser.add_argument("--make-model", action="store_true", help="build the benchmark model and layout if missing")
+    parser.add_argument("--int8-layout", default=None, help="the same model converted with --weights int8, for the "
+                        "*-int8 contenders (default: the --layout folder's name with -int8)")
+    parser.add_argument("--make-model", action="store_true", help="build the benchmark model and layouts if missing")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -116,6 +123,7 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
     out = Path(scratch) / f"{name}.json"
     out.unlink(missing_ok=True)  # a result left by the round before is not this run's
     command = [sys.executable, str(HERE / "bench_contenders.py"), name, "--source", args.source, "--layout", args.layout,
+               "--int8-layout", args.int8_layout,
                "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
                "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
                "--out", str(out), "--started", str(time.time())]
@@ -150,9 +158,10 @@ def fio_cold_gbps(layout: Layout) -> float | None:
 
 def main() -> None:
     args = build_parser().parse_args()
+    args.int8_layout = args.int8_layout or str(Path(args.layout).with_name(Path(args.layout).name + QUANTIZED))
     console = Console(width=None if sys.stdout.isatty() else 200)  # the table stays whole in a log
     if args.make_model:
-        make_model(Path(args.source), Path(args.layout))
+        make_model(Path(args.source), Path(args.layout), Path(args.int8_layout))
 
     layout = Layout.open(args.layout)
     manifest = layout.manifest
@@ -166,13 +175,22 @@ def main() -> None:
     console.print(f"layers {streamed / 1e9:.2f} GB; batch {args.batch_size}, {args.prompt_tokens}-token prompts, "
                   f"{args.new_tokens} new tokens; {args.repeat} run(s) of each{limit}", highlight=False)
 
-    passes, runs = [], {name: [] for name in args.contenders.split(",")}
+    runs = {name: [] for name in args.contenders.split(",")}
+    # The int8 contenders read the int8 layout: their disk bound is a read-only pass over its layers.
+    int8 = Layout.open(args.int8_layout) if any(name.endswith(QUANTIZED) for name in runs) else None
+    passes, int8_passes = [], []
     with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.layout).resolve().parent, prefix="bench-") as scratch:
         for round_ in range(args.repeat):
             drop_page_cache()
             passes.append(read_pass(layout, layers, passes=decode_steps, depth=Policy().prefetch_depth))
             console.print(f"round {round_ + 1}: read-only pass {passes[-1]['median_pass_s']:.3f} s per step "
                           f"({passes[-1]['read_gbps']:.2f} GB/s)", highlight=False)
+            if int8 is not None:
+                drop_page_cache()
+                int8_passes.append(read_pass(int8, list(int8.manifest.layer_names), passes=decode_steps,
+                                             depth=Policy().prefetch_depth))
+                console.print(f"round {round_ + 1}: read-only pass of the int8 layout {int8_passes[-1]['median_pass_s']:.3f} "
+                              f"s per step", highlight=False)
             for name in runs:
                 console.print(f"running {name} ...")
                 runs[name].append(run_contender(name, args, half_bytes, scratch, args.memory_limit))
@@ -187,10 +205,12 @@ def main() -> None:
             compute = None
     results = {name: summarise(name, done, args) for name, done in runs.items()}
     bound = bounds(passes, fio, compute or results.get(REFERENCE, {}), streamed)
-    report(console, results, args, bound, manifest.data_bytes)
+    int8_bound = bounds(int8_passes, None, compute or results.get(REFERENCE, {}), int8.manifest.nbytes(int8.manifest.layer_names)) if int8 else None
+    report(console, results, args, bound, manifest.data_bytes, int8_bound)
     if args.json:
         Path(args.json).write_text(json.dumps({"layer_bytes": streamed, "memory_limit_bytes": args.memory_limit,
                                                "repeat": args.repeat, "bound": bound, "read_passes": passes,
+                                               "int8_bound": int8_bound, "int8_read_passes": int8_passes,
                                                "unlimited_reference": compute, "results": results}, indent=2))
 
 
@@ -228,7 +248,7 @@ def bounds(passes: list[dict], fio: float | None, reference: dict, streamed: int
             "compute_s": compute_s, "bound_s": max(disk_s, compute_s or 0.0)}
 
 
-def report(console: Console, results: dict, args, bound: dict, model_bytes: int) -> None:
+def report(console: Console, results: dict, args, bound: dict, model_bytes: int, int8_bound: dict | None) -> None:
     finished = {name: r for name, r in results.items() if "error" not in r}
     base, reference = finished.get(BASELINE), finished.get(REFERENCE)
     title = "tools/bench: same model, batch and new tokens; page cache dropped before each contender"
@@ -243,7 +263,11 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int)
         if "error" in r:
             table.add_row(name, *["-"] * (len(columns) - 2), "OOM-killed" if r["oom_killed"] else "failed")
             continue
-        same = "-" if reference is None else ("yes" if r["tokens"] == reference["tokens"] else "NO")
+        quantized = name.endswith(QUANTIZED)
+        if quantized:
+            same = "int8: tests compare it"  # other weights, other logits: compared in tests/test_quantized.py
+        else:
+            same = "-" if reference is None else ("yes" if r["tokens"] == reference["tokens"] else "NO")
         if r["failed_runs"]:
             same += f" ({r['failed_runs']} of {len(r['runs'])} runs failed)"
         step = r["decode_step_s"]
@@ -252,7 +276,8 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int)
             f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}",
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
             f"{r['ready_s'] / base['ready_s']:.1f}x" if base else "-",
-            f"{step / bound['bound_s']:.2f}x", f"{r['bytes_read'] / 1e9:.1f}" if "bytes_read" in r else "-",
+            f"{step / (int8_bound if quantized else bound)['bound_s']:.2f}x",
+            f"{r['bytes_read'] / 1e9:.1f}" if "bytes_read" in r else "-",
             f"{r['peak_rss_bytes'] / 1e9:.2f}", same,
         )
     console.print(table)
@@ -273,6 +298,10 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int)
         console.print(f"zerolite --offload nvme decode step: {base['decode_step_s']:.3f} s = "
                       f"{base['decode_step_s'] / bound['read_pass_s']:.2f}x the read-only pass, "
                       f"{base['decode_step_s'] / bound['bound_s']:.2f}x the bound", highlight=False)
+    if int8_bound:
+        console.print(f"int8 layout: read-only pass {int8_bound['read_pass_s']:.3f} s per step "
+                      f"({int8_bound['read_pass_gbps']:.2f} GB/s); its contenders' bound {int8_bound['bound_s']:.3f} s",
+                      highlight=False)
     room = min(psutil.virtual_memory().total, args.memory_limit or float("inf"))
     if "accelerate-disk" in finished and model_bytes < room:
         console.print("accelerate-disk: the model fits in the memory it may use here, so after its first pass its "

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 
-def zerolite_model(args, offload: str, **policy):
+def zerolite_model(args, offload: str, layout: str | None = None, **policy):
     import zerolite
 
-    lm = zerolite.load(args.layout, offload=offload, device=args.device, show_progress=False, **policy)
+    lm = zerolite.load(layout or args.layout, offload=offload, device=args.device, show_progress=False, **policy)
     return lm, {"bytes_read": lambda: lm.bytes_read}
 
 
@@ -94,6 +94,8 @@ CONTENDERS = {
     "zerolite-nvme-kv0.5": lambda a: zerolite_model(a, "nvme", cpu_memory=0, kv_offload=0.5),
     "zerolite-nvme-kv1.0": lambda a: zerolite_model(a, "nvme", cpu_memory=0, kv_offload=1.0),
     "zerolite-cpu": lambda a: zerolite_model(a, "cpu"),
+    "zerolite-nvme-int8": lambda a: zerolite_model(a, "nvme", layout=a.int8_layout, cpu_memory=0),
+    "zerolite-cpu-int8": lambda a: zerolite_model(a, "cpu", layout=a.int8_layout),
     "transformers-ram": transformers_in_ram,
     "deepspeed-nvme": lambda a: deepspeed_zero3(a, "nvme"),
     "deepspeed-cpu": lambda a: deepspeed_zero3(a, "cpu"),
@@ -111,6 +113,7 @@ def main() -> None:
     parser.add_argument("name", choices=CONTENDERS)
     parser.add_argument("--source", required=True)
     parser.add_argument("--layout", required=True)
+    parser.add_argument("--int8-layout", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--new-tokens", type=int, required=True)
