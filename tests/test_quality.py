@@ -1,0 +1,101 @@
+"""tools/quality.py's perplexity against a direct computation with transformers, windows included,
+and the tool end to end on a tiny layout."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import zerolite
+from tiny_models import VOCAB
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
+from perplexity import perplexity, windows  # noqa: E402  (importable once the path above is set)
+
+WINDOW = 16  # the tiny model's max_position_embeddings: the 50 ids below need several windows
+
+
+def direct_perplexity(model, ids: torch.Tensor, window: int, stride: int) -> float:
+    """Each token predicted on its own, from the context the windows give it: from the start of the
+    first window [k * stride, k * stride + window) that holds it, scored by cross-entropy over the
+    shifted logits of that context."""
+    losses = []
+    for target in range(1, len(ids)):
+        begin = max(0, (target - window) // stride + 1) * stride
+        logits = model(input_ids=ids[None, begin : target + 1]).logits[0, :-1]
+        losses.append(F.cross_entropy(logits, ids[begin + 1 : target + 1], reduction="none")[-1])
+    return math.exp(torch.stack(losses).mean().item())
+
+
+@pytest.mark.parametrize("length, window, stride", [(50, 16, 8), (50, 16, 15), (50, 16, 1), (10, 16, 8), (16, 16, 8), (17, 16, 8)])
+def test_windows_score_every_token_but_the_first_once_with_context(length, window, stride):
+    scored = []
+    for number, (begin, end, first) in enumerate(windows(length, window, stride)):
+        assert begin < first < end <= length and end - begin <= window
+        if number:
+            assert first - begin >= window - stride
+        scored += range(first, end)
+    assert scored == list(range(1, length))
+
+
+def test_a_stride_as_long_as_the_window_is_refused():
+    with pytest.raises(ValueError, match="stride"):
+        list(windows(50, 16, 16))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("stride", [None, 5])
+def test_equals_transformers_scoring_each_token_on_its_context(make_source, make_layout, stride):
+    source = make_source(max_position_embeddings=WINDOW)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(0))
+    expected = direct_perplexity(model, ids, WINDOW, stride or WINDOW // 2)
+
+    assert perplexity(model, ids, stride).perplexity == pytest.approx(expected, rel=1e-5)
+    with zerolite.load(make_layout(max_position_embeddings=WINDOW), offload="cpu", device="cpu", show_progress=False) as lm:
+        assert perplexity(lm.model, ids, stride).perplexity == pytest.approx(expected, rel=1e-5)
+
+
+@torch.no_grad()
+def test_one_window_is_cross_entropy_over_the_shifted_logits(make_source):
+    model = AutoModelForCausalLM.from_pretrained(make_source(), dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+    logits = model(input_ids=ids[None]).logits[0]
+    expected = math.exp(F.cross_entropy(logits[:-1], ids[1:]).item())
+    assert perplexity(model, ids).perplexity == pytest.approx(expected, rel=1e-5)
+
+
+def save_ascii_tokenizer(folder: Path) -> None:
+    """One token per ASCII character (the tiny vocabulary's 128 ids); anything else is id 0."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(code): code for code in range(VOCAB)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=chr(0)))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
+
+
+def test_the_tool_runs_end_to_end_and_agrees_with_transformers(make_source, tmp_path):
+    source = make_source(max_position_embeddings=64, fresh=True)
+    save_ascii_tokenizer(source)
+    figures = tmp_path / "quality.json"
+    done = subprocess.run([sys.executable, str(TOOLS / "quality.py"), "--model", str(source), "--path", str(tmp_path / "layouts"),
+                           "--tokens", "150", "--weights", "int8,int4-g32", "--reference", "--json", str(figures)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {row["variant"]: row for row in json.loads(figures.read_text())["variants"]}
+    assert list(rows) == ["base", "int8", "int4-g32", "transformers (reference)"]
+    assert rows["base"]["layer_bytes"] > 0 and rows["base"]["change_pct"] == 0
+    assert rows["transformers (reference)"]["perplexity"] == pytest.approx(rows["base"]["perplexity"], rel=1e-5)
+    for name in ("int8", "int4-g32"):  # either scored, or said to be missing: never left out
+        assert rows[name]["available"] or "not available in this build" in done.stdout
+        assert not rows[name]["available"] or math.isfinite(rows[name]["perplexity"])
