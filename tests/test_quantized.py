@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 import zerolite
+import zerolite.quantized_linear
 from zerolite.convert import convert
 from zerolite.errors import ZeroliteError
 from zerolite.io import IoEngine
@@ -67,8 +68,12 @@ def assert_close_to_reference(expected, got) -> None:
     assert agreement >= MIN_AGREEMENT, f"greedy tokens agree at {agreement:.1%} of positions"
 
 
+@pytest.mark.parametrize("dequantize_rows", [zerolite.quantized_linear.DEQUANTIZE_ROWS, 1], ids=["kernel", "dequantised"])
 @pytest.mark.parametrize("setup", [dict(offload="nvme", cpu_memory=0), dict(offload="cpu"), dict(offload="none")])
-def test_int8_layout_matches_its_dequantised_weights_on_cpu(quantized, setup):
+def test_int8_layout_matches_its_dequantised_weights_on_cpu(quantized, setup, dequantize_rows, monkeypatch):
+    """Both CPU paths: the int8 kernel (these prompts' rows are below the threshold) and, with the
+    threshold at 1 row, the dequantise-then-matmul path a long prefill takes."""
+    monkeypatch.setattr(zerolite.quantized_linear, "DEQUANTIZE_ROWS", dequantize_rows)
     layout, expected = quantized
     with zerolite.load(layout, device="cpu", show_progress=False, **setup) as lm:
         assert any(isinstance(m, QuantizedLinear) for m in lm.model.modules())
