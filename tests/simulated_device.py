@@ -12,9 +12,11 @@ compute that reads a buffer before its copy has landed sees wrong bytes. Events 
 complete when their stream reaches them, with timestamps.
 
 A happens-before ledger (vector clocks, assigned when work is queued, as CUDA orders it) checks
-three rules and raises OrderingError at the first break:
+four rules and raises OrderingError at the first break:
   - a copy into a device buffer is ordered after compute's last read of it;
   - compute reads a device buffer only after the copy that filled it (it waited for its event);
+  - a copy reads a buffer only after the copy on another stream that last wrote it (K/V appends
+    before the next fetch);
   - the engine reads into a host buffer only once the host has seen every copy from it finish.
 compute_after_copies() checks a fourth, at teardown: compute is ordered after every copy queued.
 
@@ -147,6 +149,7 @@ class SimulatedDevice(Device):
         self.streams = [self.compute]
         self._buffers: dict[int, BufferRecord] = {}          # storage address -> record
         self._copies_from: dict[int, list[tuple[str, int]]] = {}  # host storage address -> copies reading it
+        self._written_by: dict[int, tuple[str, int]] = {}  # storage address -> the last copy into it
         self._all_copies: list[tuple[str, int]] = []
         self._lock = threading.Lock()
         self.allocated = self.peak = 0
@@ -213,6 +216,7 @@ class SimulatedDevice(Device):
         with self._lock:
             self._buffers[address] = BufferRecord()
             self._copies_from.pop(address, None)  # an address freed and handed out again
+            self._written_by.pop(address, None)
             self.allocated += nbytes
             self.peak = max(self.peak, self.allocated)
         weakref.finalize(tensor, self._free_device, address, nbytes)
@@ -227,6 +231,7 @@ class SimulatedDevice(Device):
         cost = self.pinned_cost(nbytes)
         with self._lock:
             self._copies_from.pop(buffer.untyped_storage().data_ptr(), None)
+            self._written_by.pop(buffer.untyped_storage().data_ptr(), None)
             self.pinned += cost
             self.peak_pinned = max(self.peak_pinned, self.pinned)
         weakref.finalize(buffer, self._free_pinned, cost)
@@ -258,7 +263,12 @@ class SimulatedDevice(Device):
                 )
             record.last_copy = (stream.name, epoch)
             self._all_copies.append((stream.name, epoch))
-        self._copies_from.setdefault(src.untyped_storage().data_ptr(), []).append((stream.name, epoch))
+        source = src.untyped_storage().data_ptr()
+        writer = self._written_by.get(source)
+        if writer is not None and writer[0] != stream.name and stream.clock.get(writer[0], -1) < writer[1]:
+            raise OrderingError(f"a copy on {stream} reads a buffer before the copy on {writer[0]} that writes it")
+        self._copies_from.setdefault(source, []).append((stream.name, epoch))
+        self._written_by[dst.untyped_storage().data_ptr()] = (stream.name, epoch)
         stream.submit(self._landing(dst, src, stream is not self.compute))
 
     def _landing(self, dst: torch.Tensor, src: torch.Tensor, delayed: bool):

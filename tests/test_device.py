@@ -66,8 +66,13 @@ def refill_waits_for_copy(sim, lm):
 
 
 def compute_waits_for_kv_fetch(sim, lm):
-    fetches = lm.executor.kv_stream
+    fetches, _ = lm.executor.kv_streams
     sim.skipped_waits.append(lambda stream, event: stream is sim.compute and event.stream is fetches)
+
+
+def kv_fetch_waits_for_appends(sim, lm):
+    fetches, appends = lm.executor.kv_streams
+    sim.skipped_waits.append(lambda stream, event: stream is fetches and event.stream is appends)
 
 
 REMOVALS = {
@@ -75,6 +80,7 @@ REMOVALS = {
     "compute's wait for the copy": (compute_waits_for_copy, {}),
     "the wait before a slot's host buffer is refilled": (refill_waits_for_copy, {}),
     "compute's wait for the K/V fetch": (compute_waits_for_kv_fetch, dict(kv_offload=1.0)),
+    "the K/V fetch's wait for the last appends": (kv_fetch_waits_for_appends, dict(kv_offload=1.0)),
 }
 
 

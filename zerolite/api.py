@@ -111,7 +111,7 @@ class OffloadedLM:
             config.disable_compile = True
             if offload_kv:
                 config.cache_implementation = None
-        cache = PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_stream) if offload_kv else None
+        cache = PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_streams) if offload_kv else None
         if cache is not None:
             kwargs["past_key_values"] = cache
         try:

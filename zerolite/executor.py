@@ -69,7 +69,8 @@ class Executor:
         self.slots = Slots(manifest, self.disk if plan.on_disk else None, memory, policy.prefetch_depth, device,
                            slot_bytes, timeline)
         self.schedule = Schedule(list(plan.streamed))
-        self.kv_stream = device.new_stream() if device.separate_memory else None  # for every K/V cache it offloads
+        # (fetches, appends) for every K/V cache it offloads
+        self.kv_streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None
         # What the ring reads ahead: blocks that need a transfer. Where host memory is the device's,
         # a block held there needs none, so the disk reads on through such layers instead of idling.
         self._transferred = frozenset(plan.streamed if device.separate_memory else plan.on_disk)

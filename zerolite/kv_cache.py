@@ -6,8 +6,9 @@ values on the host between uses (pinned on CUDA), so the batch can grow past dev
 
 An offloaded layer's K/V are copied to the device one layer ahead of use, on a stream of their
 own, and each step's new keys and values are appended to the host copy in place (its buffer grows
-by doubling), so a step moves the layer's K/V in once and only the new tokens out. Each fetch
-waits only for that layer's last appends, not for all the compute queued before it. The attention
+by doubling) on another, so a step moves the layer's K/V in once and only the new tokens out, and
+neither copy holds up compute (a long prefill's appends would). Each fetch waits only for that
+layer's last appends, not for all the compute queued before it. The attention
 code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
 """
 
@@ -33,10 +34,12 @@ class HostLayer(DynamicLayer):
     self.keys and self.values stay [batch, heads, length, head_dim] views of them, as transformers expects.
     """
 
-    def __init__(self, host: Device, stream):
+    def __init__(self, host: Device, streams):
         super().__init__()
         self.host = host              # the zerolite Device: its streams, events and pinned memory
-        self.stream = stream          # the host-to-device copies' stream; None where memory is shared
+        # (fetches, appends): the streams the host-to-device and device-to-host copies go on, so
+        # that neither holds up compute; None where memory is shared
+        self.fetches, self.appends = streams or (None, None)
         self._fetched = None          # (keys, values, ready event) brought to the device ahead of use
         self._buffers = None          # (keys, values) sequence-first host buffers with room to grow
         self._appended = None         # event: this layer's last appends have landed in the host buffers
@@ -59,9 +62,9 @@ class HostLayer(DynamicLayer):
         if not self._has_room(length):
             self._grow(length)  # a reordered or selected batch: back into sequence-first buffers
         if self._appended is not None:
-            self.host.wait_event(self.stream, self._appended)  # this layer's last appends have landed
-        keys, values = (self.host.to_device(buffer[:length], self.stream).permute(1, 2, 0, 3) for buffer in self._buffers)
-        ready = self._fetch_done = self.host.record(self.stream)
+            self.host.wait_event(self.fetches, self._appended)  # this layer's last appends have landed
+        keys, values = (self.host.to_device(buffer[:length], self.fetches).permute(1, 2, 0, 3) for buffer in self._buffers)
+        ready = self._fetch_done = self.host.record(self.fetches)
         self._fetched = (keys, values, ready)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -82,10 +85,13 @@ class HostLayer(DynamicLayer):
         length, extra = self.keys.shape[-2], key_states.shape[-2]
         if not self._has_room(length + extra):
             self._grow(length + extra)
-        compute = self.host.compute_stream()
+        stream = self.appends or self.host.compute_stream()
+        if self.appends is not None:
+            self.host.wait_stream(self.appends, self.host.compute_stream())  # the new keys and values are computed
         for buffer, states in zip(self._buffers, (key_states, value_states)):
-            self.host.copy(buffer[length:length + extra], states.permute(2, 0, 1, 3), compute)
-        self._appended = self.host.record(compute)
+            self.host.copy(buffer[length:length + extra], states.permute(2, 0, 1, 3), stream)
+            self.host.keep_alive(states, stream)  # made by compute, read on the appends' stream
+        self._appended = self.host.record(stream)
         self.keys, self.values = (buffer[:length + extra].permute(1, 2, 0, 3) for buffer in self._buffers)
 
     def _has_room(self, length: int) -> bool:
@@ -144,14 +150,14 @@ class HostLayer(DynamicLayer):
 class PartialOffloadCache(DynamicCache):
     """A DynamicCache with a fraction of its full-attention layers in host memory, spread evenly."""
 
-    def __init__(self, config: PretrainedConfig, fraction: float, device: Device, stream=None):
-        """stream: the one the K/V fetches go on (a new one if not given); an executor keeps one for
-        all its caches, since devices hand out streams from a small pool."""
+    def __init__(self, config: PretrainedConfig, fraction: float, device: Device, streams=None):
+        """streams: (fetches, appends), the streams the K/V copies go on (new ones if not given); an
+        executor keeps one pair for all its caches, since devices hand out streams from a small pool."""
         super().__init__(config=config)
-        if device.separate_memory and stream is None:
-            stream = device.new_stream()
+        if device.separate_memory and streams is None:
+            streams = (device.new_stream(), device.new_stream())
         for i in host_layers(self.layers, fraction):
-            self.layers[i] = HostLayer(device, stream)
+            self.layers[i] = HostLayer(device, streams)
 
     def settle(self) -> None:
         """Waits for the appends and fetches still in flight: before the host buffers are freed
