@@ -200,8 +200,7 @@ def load(
             f"convert into another --path with --dtype {dtype}"
         )
     target = policy.target()
-    host_cost = target.pinned_cost if target.separate_memory else (lambda nbytes: nbytes)
-    plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy, target), host_cost)
+    plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy, target), target.pinned_cost)
     for warning in preflight(layout, plan, policy, target):
         print(f"zerolite: warning: {warning}", file=sys.stderr)
     loaded = [layout.manifest.block(name) for name in plan.loaded]

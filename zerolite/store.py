@@ -95,8 +95,7 @@ class DiskStore:
         entry = self.entry(name)
         buffer = aligned_empty(entry.length) if buffer is None else buffer
         self.wait(self.submit(name, buffer))
-        self._verified.discard(name)
-        self.verify(name, buffer)
+        self.verify_crc(name, zlib.crc32(buffer[: entry.length].numpy()))  # every read() checks, not once per run
         return tensor_views(entry, buffer)
 
     @contextlib.contextmanager
