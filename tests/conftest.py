@@ -23,7 +23,8 @@ def make_source(tiny_layouts):
 
 @pytest.fixture(scope="session")
 def make_layout(tiny_layouts):
-    """make_layout(arch="llama", layers=3, tie=True, seed=0, dtype=None, weights=None, fresh=False, **config) -> its layout's folder."""
+    """make_layout(arch="llama", layers=3, tie=True, seed=0, dtype=None, weights=None, group_size=None, fresh=False,
+    **config) -> its layout's folder."""
     return tiny_layouts.layout
 
 

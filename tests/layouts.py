@@ -34,13 +34,14 @@ class TinyLayouts:
         return self._copy(self._made[key]) if fresh else self._made[key]
 
     def layout(self, arch: str = "llama", layers: int = 3, tie: bool = True, seed: int = 0, dtype: str | None = None,
-               weights: str | None = None, fresh: bool = False, **config) -> Path:
-        """dtype: the conversion's --dtype (None keeps the checkpoint's); weights: its --weights."""
-        key = ("layout", arch, layers, tie, seed, dtype, weights, *sorted(config.items()))
+               weights: str | None = None, group_size: int | None = None, fresh: bool = False, **config) -> Path:
+        """dtype: the conversion's --dtype (None keeps the checkpoint's); weights, group_size: its
+        --weights and --group-size."""
+        key = ("layout", arch, layers, tie, seed, dtype, weights, group_size, *sorted(config.items()))
         if key not in self._made:
             source = self.source(arch, layers, tie, seed, **config)
             folder = self._tmp.mktemp(f"{arch}-layout") / "layout"
-            convert(source, folder, dtype=dtype, weights=weights, show_progress=False)
+            convert(source, folder, dtype=dtype, weights=weights, group_size=group_size, show_progress=False)
             self._made[key] = folder
         return self._copy(self._made[key]) if fresh else self._made[key]
 

@@ -1,7 +1,13 @@
-"""int8 layouts: the decoder layers' Linear weights quantized at convert, run through the same
-streamed paths, against transformers running the same integer weights dequantised in fp32."""
+"""Quantized layouts (int8, int4): the decoder layers' Linear weights quantized at convert, run
+through the same streamed paths, against transformers running the same integer weights
+dequantised in fp32."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,13 +18,15 @@ import zerolite
 import zerolite.quantized_linear
 from zerolite.convert import convert
 from zerolite.errors import ZeroliteError
+from zerolite.int4_packing import cpu_packing, pack_int4, unpack_int4
 from zerolite.io import IoEngine
 from zerolite.layout import Layout
-from zerolite.quantize import SCALE_SUFFIX
-from zerolite.quantized_linear import QuantizedLinear
+from zerolite.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme, quantize_int4
+from zerolite.quantized_linear import Int4Linear, QuantizedLinear, dequantize_int4
 from zerolite.store import DiskStore
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
+SCHEMES = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=32)}
 LAYERS = 4
 NEW_TOKENS = 10
 PROMPTS = torch.tensor([[5, 17, 33, 9, 44, 61, 70], [0, 0, 0, 0, 0, 12, 90]])
@@ -32,30 +40,36 @@ def greedy(model_or_lm):
                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
 
 
-def dequantised_reference(source, layout):
+def dequantised_reference(source, layout, dtype=torch.float32):
     """transformers' model on the source, each quantized weight replaced by the layout's integers
-    times their scales, in fp32."""
+    with their scales (and zero points) applied, in fp32, then cast to dtype."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     layout = Layout.open(layout)
+    scheme = WeightScheme.from_manifest(layout.manifest.quantization)
     disk = DiskStore(layout, IoEngine())
     with torch.no_grad():
         for block in layout.blocks:
             tensors = disk.read(block.name)
-            for name, scale in tensors.items():
-                if not name.endswith(".weight" + SCALE_SUFFIX):
+            for name, companion in tensors.items():
+                if not name.endswith(".weight" + scheme.companion):
                     continue
-                path = name.removesuffix(".weight" + SCALE_SUFFIX)
-                weight = tensors[path + ".weight"].float() * scale.float()[:, None]
+                path = name.removesuffix(".weight" + scheme.companion)
+                stored = tensors[path + ".weight"]
+                if scheme.name == "int8":
+                    weight = stored.float() * companion.float()[:, None]
+                else:
+                    weight = dequantize_int4(stored, companion.float(), scheme.group_size, scheme.packing, torch.float32)
                 module = model.get_submodule(path)
                 module.weight.copy_(weight.t() if isinstance(module, Conv1D) else weight)
-    return model
+    return model.to(dtype)
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=[(arch, scheme) for scheme in SCHEMES for arch in ARCHS],
+                ids=lambda p: "-".join(p))
 def quantized(request, make_source, make_layout):
-    arch = request.param
+    arch, scheme = request.param
     source = make_source(arch, layers=LAYERS)
-    layout = make_layout(arch, layers=LAYERS, weights="int8")
+    layout = make_layout(arch, layers=LAYERS, **SCHEMES[scheme])
     return layout, greedy(dequantised_reference(source, layout))
 
 
@@ -68,37 +82,83 @@ def assert_close_to_reference(expected, got) -> None:
     assert agreement >= MIN_AGREEMENT, f"greedy tokens agree at {agreement:.1%} of positions"
 
 
-@pytest.mark.parametrize("dequantize_rows", [zerolite.quantized_linear.DEQUANTIZE_ROWS, 1], ids=["kernel", "dequantised"])
+@pytest.mark.parametrize("dequantize_rows", [1 << 30, 1], ids=["kernel", "dequantised"])
 @pytest.mark.parametrize("setup", [dict(offload="nvme", cpu_memory=0), dict(offload="cpu"), dict(offload="none")])
-def test_int8_layout_matches_its_dequantised_weights_on_cpu(quantized, setup, dequantize_rows, monkeypatch):
-    """Both CPU paths: the int8 kernel (these prompts' rows are below the threshold) and, with the
+def test_quantized_layout_matches_its_dequantised_weights_on_cpu(quantized, setup, dequantize_rows, monkeypatch):
+    """Both CPU paths: the weight-only kernel (for int4 in these fp32 layouts the kernel is not
+    fast, so it dequantises either way; test_int4_kernel_* covers its kernel) and, with the
     threshold at 1 row, the dequantise-then-matmul path a long prefill takes."""
     monkeypatch.setattr(zerolite.quantized_linear, "DEQUANTIZE_ROWS", dequantize_rows)
+    monkeypatch.setattr(zerolite.quantized_linear, "INT4_DEQUANTIZE_ROWS", dequantize_rows)
     layout, expected = quantized
     with zerolite.load(layout, device="cpu", show_progress=False, **setup) as lm:
         assert any(isinstance(m, QuantizedLinear) for m in lm.model.modules())
         assert_close_to_reference(expected, greedy(lm))
 
 
+def teacher_forced_logits(model: torch.nn.Module, sequences: torch.Tensor) -> torch.Tensor:
+    mask = torch.cat([MASK, torch.ones(len(sequences), sequences.shape[1] - MASK.shape[1], dtype=MASK.dtype)], dim=1)
+    with torch.no_grad():
+        return model(input_ids=sequences, attention_mask=mask).logits[:, PROMPTS.shape[1] - 1:].float()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int4_kernel_in_bf16_adds_no_more_error_than_bf16_itself(arch, make_source, make_layout, monkeypatch):
+    """bf16 layouts, where the int4 kernel runs. bf16 alone moves these tiny random models' logits
+    far more than the 0.999 cosine the fp32 tests hold (down to 0.957), so the kernel is held to
+    bf16's own error: on the same sequences, its logits lie no further from the fp32 reference than
+    twice as far as the same dequantised weights run as a bf16 model."""
+    source = make_source(arch, layers=LAYERS)
+    layout = make_layout(arch, layers=LAYERS, dtype="bf16", **SCHEMES["int4"])
+    reference = dequantised_reference(source, layout)
+    sequences = greedy(reference).sequences
+    expected = teacher_forced_logits(reference, sequences)
+    bf16_error = (teacher_forced_logits(dequantised_reference(source, layout, torch.bfloat16), sequences)
+                  - expected).abs().max()
+    kernel, calls = torch.ops.aten._weight_int4pack_mm_for_cpu, []
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(1) or kernel(*a))
+    with zerolite.load(layout, device="cpu", offload="nvme", cpu_memory=0, show_progress=False) as lm:
+        kernel_error = (teacher_forced_logits(lm.model, sequences) - expected).abs().max()
+    assert calls, "the int4 kernel never ran"
+    assert kernel_error <= 2 * bf16_error, f"kernel {kernel_error:.3f} against bf16's own {bf16_error:.3f}"
+
+
+def test_int4_kernel_computes_what_its_weights_dequantise_to():
+    """One layer's worth of a real model's shape: the kernel against the fp32 matmul of the same weights."""
+    torch.manual_seed(0)
+    weight = torch.randn(1024, 512) * 0.02
+    scheme = WeightScheme.parse("int4", 64)
+    stored = scheme.quantize(weight.bfloat16())
+    packed, scale_zero = stored[""], stored[SCALE_ZERO_SUFFIX]
+    module = Int4Linear(1024, 512, scheme, torch.bfloat16, None, dequantize=False)
+    module.weight, module.weight_scale_zero = packed, scale_zero
+    rows = torch.randn(16, 512).bfloat16()
+    exact = rows.float() @ dequantize_int4(packed, scale_zero.float(), 64, scheme.packing, torch.float32).t()
+    relative = (module(rows).float() - exact).norm() / exact.norm()
+    assert relative < 1e-2, relative
+
+
 @pytest.mark.cuda
-def test_int8_layout_matches_its_dequantised_weights_on_a_gpu(quantized, gpu):
-    """The GPU path: the int8 bytes cross to the device, where they are dequantised for the matmul."""
+def test_quantized_layout_matches_its_dequantised_weights_on_a_gpu(quantized, gpu):
+    """The GPU path: the quantized bytes cross to the device, where they are dequantised for the matmul."""
     layout, expected = quantized
     with zerolite.load(layout, device=gpu, offload="nvme", cpu_memory=0, gpu_memory=0, show_progress=False) as lm:
         assert_close_to_reference(expected, greedy(lm))
 
 
-def test_int8_moves_about_half_the_bytes_of_bf16_per_step(make_source, tmp_path):
-    source = make_source("llama", layers=LAYERS, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+@pytest.mark.parametrize(("weights", "group_size", "most"), [("int8", None, 0.55), ("int4", 64, 0.30)])
+def test_quantized_layers_move_a_fraction_of_bf16s_bytes_per_step(make_source, tmp_path, weights, group_size, most):
+    source = make_source("llama", layers=LAYERS, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                          num_key_value_heads=8)
     base = convert(source, tmp_path / "bf16", dtype="bf16", show_progress=False)
-    int8 = convert(source, tmp_path / "int8", dtype="bf16", weights="int8", show_progress=False)
-    assert int8.quantization["weights"] == "int8" and base.quantization is None
-    ratio = int8.nbytes(int8.layer_names) / base.nbytes(base.layer_names)
-    assert ratio <= 0.55, ratio
-    with zerolite.load(tmp_path / "int8", device="cpu", cpu_memory=0, prefetch_depth=1, show_progress=False) as lm:
+    quantized = convert(source, tmp_path / weights, dtype="bf16", weights=weights, group_size=group_size,
+                        show_progress=False)
+    assert quantized.quantization["weights"] == weights and base.quantization is None
+    ratio = quantized.nbytes(quantized.layer_names) / base.nbytes(base.layer_names)
+    assert ratio <= most, ratio
+    with zerolite.load(tmp_path / weights, device="cpu", cpu_memory=0, prefetch_depth=1, show_progress=False) as lm:
         greedy(lm)  # depth 1: nothing is read ahead, so each forward reads the layers once
-        assert lm.bytes_read == NEW_TOKENS * int8.nbytes(int8.layer_names)
+        assert lm.bytes_read == NEW_TOKENS * quantized.nbytes(quantized.layer_names)
 
 
 def test_a_converted_layout_is_reused_only_for_the_same_weights(make_source, tmp_path):
@@ -113,3 +173,60 @@ def test_bad_weights_write_nothing(make_source, tmp_path):
     with pytest.raises(ZeroliteError, match="unknown --weights"):
         convert(make_source(), tmp_path / "out", weights="int3", show_progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_group_size_that_does_not_divide_a_layer_writes_nothing(make_source, tmp_path):
+    """The tiny models' MLP is 160 wide: 64 does not divide it, 32 does."""
+    with pytest.raises(ZeroliteError, match="--group-size 64 does not divide the 160 input features .* choose --group-size 32"):
+        convert(make_source(), tmp_path / "out", weights="int4", group_size=64, show_progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_layout_packed_by_another_torch_is_refused_where_the_kernel_would_read_it(make_layout):
+    layout = make_layout(dtype="bf16", weights="int4", group_size=32, fresh=True)
+    manifest = json.loads((layout / "manifest.json").read_text())
+    manifest["quantization"]["packing"]["torch"] = "2.0.0"
+    (layout / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ZeroliteError, match="packed by torch 2.0.0 .* convert the model again with --weights int4"):
+        zerolite.load(layout, device="cpu", show_progress=False)
+
+
+@pytest.mark.parametrize("shape", [(160, 64), (48, 96), (192, 128), (1024, 256)])
+def test_int4_packing_is_what_the_kernel_packs_and_unpacks_back(shape):
+    q = torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(pack_int4(q.to(torch.uint8), cpu_packing()), packed)
+    assert torch.equal(unpack_int4(packed, *shape, cpu_packing()), q.to(torch.uint8))
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_int4_packing_is_known_for_the_other_kinds_of_cpu(capability):
+    """torch packs by the vector width it runs with; ATEN_CPU_CAPABILITY makes it run narrower here."""
+    check = ("import torch; from zerolite.int4_packing import cpu_packing, pack_int4\n"
+             "q = torch.randint(0, 16, (208, 64), dtype=torch.int32)\n"
+             "assert torch.equal(pack_int4(q.to(torch.uint8), cpu_packing()),"
+             " torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))\n"
+             "print(cpu_packing())")
+    done = subprocess.run([sys.executable, "-c", check], env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    expected = "interleave='pairs'" if capability == "default" else "interleave='halves'"
+    assert "block_rows=32" in done.stdout and expected in done.stdout
+
+
+@pytest.mark.parametrize("levels", [range(16), range(3, 14)], ids=["q4_1-grid", "q4_0-grid-short-of-its-ends"])
+def test_int4_group_32_keeps_weights_already_on_a_4_bit_grid(levels):
+    """A GGUF Q4_1 group spans its grid's ends; a Q4_0 group need not. Either way the values come back."""
+    generator = torch.Generator().manual_seed(2)
+    step = torch.rand(64, 4, 1, generator=generator) * 0.01 + 1e-3
+    offset = torch.randn(64, 4, 1, generator=generator) * 0.05
+    choice = torch.tensor(list(levels))[torch.randint(0, len(levels), (64, 4, 32), generator=generator)]
+    choice[..., 0], choice[..., 1] = levels[0], levels[-1]
+    weight = (offset + step * choice).reshape(64, 128)
+    q, scale_zero = quantize_int4(weight, 32)
+    scheme = WeightScheme("int4", 32, cpu_packing())
+    back = dequantize_int4(pack_int4(q, cpu_packing()), scale_zero, 32, scheme.packing, torch.float32)
+    assert (back - weight).abs().max() <= 1e-6
+    q64, scale_zero64 = quantize_int4(weight, 64)  # groups that straddle two grids are rounded as usual
+    again = dequantize_int4(pack_int4(q64, cpu_packing()), scale_zero64, 64, scheme.packing, torch.float32)
+    assert (again - weight).abs().max() > 1e-4

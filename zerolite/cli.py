@@ -55,9 +55,11 @@ def convert(
         typer.Argument(help="Model folder, .gguf file, or hub id in the local cache (default: the built-in SmolLM2-135M-Instruct)."),
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the config's dtype).")] = None,
-    weights: Annotated[str | None, typer.Option(help="int8: the decoder layers' Linear weights quantized, one scale per "
-                                                     "output channel, about half of bf16's bytes per step (default: the layout's dtype).")] = None,
-    group_size: Annotated[int | None, typer.Option("--group-size", help="Weights per scale, for grouped schemes.")] = None,
+    weights: Annotated[str | None, typer.Option(help="int8 or int4: the decoder layers' Linear weights quantized, about "
+                                                     "0.5x (int8, one scale per output channel) or 0.28x (int4, a scale "
+                                                     "and zero point per group) of bf16's bytes per step (default: the layout's dtype).")] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", help="int4: input weights per scale and zero point, 32, "
+                                                   "64 or 128 (default 64; 32 keeps a GGUF Q4_0/Q4_1 source's values).")] = None,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights (weights_only=True).")] = False,
 ) -> None:
     """Convert a checkpoint into an aligned layout that zerolite streams at full disk speed."""

@@ -46,8 +46,8 @@ def convert(
 ) -> Manifest:
     """Converts MODEL into a layout at path and returns its manifest (at once if it is already there).
 
-    weights: "int8" stores the decoder layers' Linear weights quantized (zerolite.quantize); None
-    keeps them in the layout's dtype."""
+    weights: "int8" or "int4" (in groups of group_size) stores the decoder layers' Linear weights
+    quantized (zerolite.quantize); None keeps them in the layout's dtype."""
     scheme = WeightScheme.parse(weights, group_size)
     checkpoint = Checkpoint.open(model, allow_pickle)
     config = checkpoint.config()
@@ -55,6 +55,8 @@ def convert(
     meta_model = build_meta_model(config, torch_dtype)
     blocks = partition(meta_model)
     targets = quantizable_linears(meta_model, blocks.layers_path) if scheme else {}
+    if scheme:
+        scheme.check(targets)
     planned = plan_extents(meta_model, blocks, scheme, targets)
     source = {"model": source_name(model), "fingerprint": checkpoint.fingerprint()}
     dtype_name = str(torch_dtype).removeprefix("torch.")

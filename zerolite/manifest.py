@@ -34,7 +34,7 @@ DTYPES = {
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                   torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
 }
-QUANTIZED_WEIGHTS = ("int8",)  # the weight schemes this build converts and runs (zerolite.quantize)
+QUANTIZED_WEIGHTS = ("int8", "int4")  # the weight schemes this build converts and runs (zerolite.quantize)
 NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
