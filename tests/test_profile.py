@@ -66,8 +66,9 @@ def test_verdict_disk_bound_when_every_block_streams_for_a_small_batch(layout):
     assert report.verdict.startswith("disk-bound")
     assert "% of the read-only pass's" in report.verdict, report.verdict
     assert 0.5 < report.share_of_bound < 1.5, report  # the same reads: neither far above nor far below
-    # An fp32 layout: int8 weights, and a 16-bit layout, are what move fewer bytes.
-    assert any("--weights int8" in advice and "--dtype bf16" in advice for advice in report.advice), report.advice
+    # An fp32 layout: int4 or int8 weights, and a 16-bit layout, are what move fewer bytes.
+    assert any("--weights int4" in advice and "--weights int8" in advice and "--dtype bf16" in advice
+               for advice in report.advice), report.advice
     assert not report.slow_prefill, report
 
 
@@ -78,7 +79,7 @@ def test_a_16_bit_layout_is_not_advised_a_16_bit_layout(make_layout):
     assert report.dtype == "bfloat16"
     assert "--dtype" not in advice and "bf16" not in advice, advice
     if report.bottleneck == "disk":  # a tiny model may also be compute-bound here
-        assert "--weights int8" in advice, advice
+        assert "--weights int4" in advice and "0.28x" in advice, advice
 
 
 def test_a_prefill_slow_for_its_size_is_flagged(layout):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -52,6 +53,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.io import ALIGNMENT
 from zerolite.layout import Layout
 from zerolite.machine import DISK_READ_BYTES, drop_page_cache
+from zerolite.openmp import environment_as_the_user_had_it
 from zerolite.policy import Policy
 from zerolite.read_pass import read_pass
 
@@ -65,10 +67,18 @@ BENCH_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=56
 FIO_CHUNK, FIO_DEPTH = 1 << 20, 32  # the engine's defaults
 
 
-QUANTIZED = "-int8"  # contenders whose name ends so run --int8-layout
+# Contenders whose name ends in -SCHEME run the same model converted with these convert arguments,
+# from --SCHEME-layout.
+QUANTIZED = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=64)}
 
 
-def make_model(source: Path, layout: Path, int8_layout: Path) -> None:
+def scheme_of(name: str) -> str | None:
+    """The quantized scheme a contender runs, or None for the layout's dtype."""
+    suffix = name.rpartition("-")[2]
+    return suffix if suffix in QUANTIZED else None
+
+
+def make_model(source: Path, layout: Path, quantized_layouts: dict[str, Path]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -80,8 +90,9 @@ def make_model(source: Path, layout: Path, int8_layout: Path) -> None:
         model.save_pretrained(source)
     if not (layout / "manifest.json").is_file():
         convert(str(source), layout)
-    if not (int8_layout / "manifest.json").is_file():
-        convert(str(source), int8_layout, weights="int8")
+    for scheme, folder in quantized_layouts.items():
+        if not (folder / "manifest.json").is_file():
+            convert(str(source), folder, **QUANTIZED[scheme])
 
 
 def at_least_one(text: str) -> int:
@@ -101,8 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", required=True, help="the model as a transformers folder (safetensors)")
     parser.add_argument("--layout", required=True, help="the same model converted by zerolite")
-    parser.add_argument("--int8-layout", default=None, help="the same model converted with --weights int8, for the "
-                        "*-int8 contenders (default: the --layout folder's name with -int8)")
+    for scheme, convert_args in QUANTIZED.items():
+        how = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in convert_args.items())
+        parser.add_argument(f"--{scheme}-layout", default=None, help=f"the same model converted with {how}, for the "
+                            f"*-{scheme} contenders (default: the --layout folder's name with -{scheme})")
     parser.add_argument("--make-model", action="store_true", help="build the benchmark model and layouts if missing")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -123,15 +136,18 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
     out = Path(scratch) / f"{name}.json"
     out.unlink(missing_ok=True)  # a result left by the round before is not this run's
     command = [sys.executable, str(HERE / "bench_contenders.py"), name, "--source", args.source, "--layout", args.layout,
-               "--int8-layout", args.int8_layout,
+               *(word for scheme in QUANTIZED for word in (f"--{scheme}-layout", getattr(args, f"{scheme}_layout"))),
                "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
                "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
                "--out", str(out), "--started", str(time.time())]
     cgroup = MemoryCgroup.create(name, limit) if limit else None
     drop_page_cache()
     try:
+        # zerolite's contenders run as zerolite sets their threads (zerolite/openmp.py); the others
+        # as the user's environment has it.
+        env = dict(os.environ) if name.startswith("zerolite") else environment_as_the_user_had_it()
         done = subprocess.run(cgroup.wrap(command) if cgroup else command, capture_output=True, text=True,
-                              timeout=args.timeout, check=False)
+                              timeout=args.timeout, check=False, env=env)
         oom_kills = cgroup.oom_kills() if cgroup else 0
     except subprocess.TimeoutExpired:
         return {"name": name, "error": f"timed out after {args.timeout} s"}
@@ -158,10 +174,12 @@ def fio_cold_gbps(layout: Layout) -> float | None:
 
 def main() -> None:
     args = build_parser().parse_args()
-    args.int8_layout = args.int8_layout or str(Path(args.layout).with_name(Path(args.layout).name + QUANTIZED))
+    for scheme in QUANTIZED:
+        folder = getattr(args, f"{scheme}_layout") or str(Path(args.layout).with_name(f"{Path(args.layout).name}-{scheme}"))
+        setattr(args, f"{scheme}_layout", folder)
     console = Console(width=None if sys.stdout.isatty() else 200)  # the table stays whole in a log
     if args.make_model:
-        make_model(Path(args.source), Path(args.layout), Path(args.int8_layout))
+        make_model(Path(args.source), Path(args.layout), {scheme: Path(getattr(args, f"{scheme}_layout")) for scheme in QUANTIZED})
 
     layout = Layout.open(args.layout)
     manifest = layout.manifest
@@ -176,21 +194,22 @@ def main() -> None:
                   f"{args.new_tokens} new tokens; {args.repeat} run(s) of each{limit}", highlight=False)
 
     runs = {name: [] for name in args.contenders.split(",")}
-    # The int8 contenders read the int8 layout: their disk bound is a read-only pass over its layers.
-    int8 = Layout.open(args.int8_layout) if any(name.endswith(QUANTIZED) for name in runs) else None
-    passes, int8_passes = [], []
+    # A quantized contender reads its own layout: its disk bound is a read-only pass over that layout's layers.
+    quantized = {scheme: Layout.open(getattr(args, f"{scheme}_layout"))
+                 for scheme in dict.fromkeys(filter(None, map(scheme_of, runs)))}
+    passes, quantized_passes = [], {scheme: [] for scheme in quantized}
     with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.layout).resolve().parent, prefix="bench-") as scratch:
         for round_ in range(args.repeat):
             drop_page_cache()
             passes.append(read_pass(layout, layers, passes=decode_steps, depth=Policy().prefetch_depth))
             console.print(f"round {round_ + 1}: read-only pass {passes[-1]['median_pass_s']:.3f} s per step "
                           f"({passes[-1]['read_gbps']:.2f} GB/s)", highlight=False)
-            if int8 is not None:
+            for scheme, scheme_layout in quantized.items():
                 drop_page_cache()
-                int8_passes.append(read_pass(int8, list(int8.manifest.layer_names), passes=decode_steps,
-                                             depth=Policy().prefetch_depth))
-                console.print(f"round {round_ + 1}: read-only pass of the int8 layout {int8_passes[-1]['median_pass_s']:.3f} "
-                              f"s per step", highlight=False)
+                quantized_passes[scheme].append(read_pass(scheme_layout, list(scheme_layout.manifest.layer_names),
+                                                          passes=decode_steps, depth=Policy().prefetch_depth))
+                console.print(f"round {round_ + 1}: read-only pass of the {scheme} layout "
+                              f"{quantized_passes[scheme][-1]['median_pass_s']:.3f} s per step", highlight=False)
             for name in runs:
                 console.print(f"running {name} ...")
                 runs[name].append(run_contender(name, args, half_bytes, scratch, args.memory_limit))
@@ -204,13 +223,17 @@ def main() -> None:
         else:
             compute = None
     results = {name: summarise(name, done, args) for name, done in runs.items()}
-    bound = bounds(passes, fio, compute or results.get(REFERENCE, {}), streamed)
-    int8_bound = bounds(int8_passes, None, compute or results.get(REFERENCE, {}), int8.manifest.nbytes(int8.manifest.layer_names)) if int8 else None
-    report(console, results, args, bound, manifest.data_bytes, int8_bound)
+    reference = compute or results.get(REFERENCE, {})
+    bound = bounds(passes, fio, reference, streamed)
+    quantized_bounds = {scheme: bounds(quantized_passes[scheme], None, reference,
+                                       scheme_layout.manifest.nbytes(scheme_layout.manifest.layer_names))
+                        for scheme, scheme_layout in quantized.items()}
+    report(console, results, args, bound, manifest.data_bytes, quantized_bounds)
     if args.json:
         Path(args.json).write_text(json.dumps({"layer_bytes": streamed, "memory_limit_bytes": args.memory_limit,
                                                "repeat": args.repeat, "bound": bound, "read_passes": passes,
-                                               "int8_bound": int8_bound, "int8_read_passes": int8_passes,
+                                               "quantized_bounds": quantized_bounds,
+                                               "quantized_read_passes": quantized_passes,
                                                "unlimited_reference": compute, "results": results}, indent=2))
 
 
@@ -248,7 +271,7 @@ def bounds(passes: list[dict], fio: float | None, reference: dict, streamed: int
             "compute_s": compute_s, "bound_s": max(disk_s, compute_s or 0.0)}
 
 
-def report(console: Console, results: dict, args, bound: dict, model_bytes: int, int8_bound: dict | None) -> None:
+def report(console: Console, results: dict, args, bound: dict, model_bytes: int, quantized_bounds: dict[str, dict]) -> None:
     finished = {name: r for name, r in results.items() if "error" not in r}
     base, reference = finished.get(BASELINE), finished.get(REFERENCE)
     title = "tools/bench: same model, batch and new tokens; page cache dropped before each contender"
@@ -263,9 +286,9 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
         if "error" in r:
             table.add_row(name, *["-"] * (len(columns) - 2), "OOM-killed" if r["oom_killed"] else "failed")
             continue
-        quantized = name.endswith(QUANTIZED)
-        if quantized:
-            same = "int8: tests compare it"  # other weights, other logits: compared in tests/test_quantized.py
+        scheme = scheme_of(name)
+        if scheme:
+            same = f"{scheme}: tests compare it"  # other weights, other logits: compared in tests/test_quantized.py
         else:
             same = "-" if reference is None else ("yes" if r["tokens"] == reference["tokens"] else "NO")
         if r["failed_runs"]:
@@ -276,7 +299,7 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
             f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}",
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
             f"{r['ready_s'] / base['ready_s']:.1f}x" if base else "-",
-            f"{step / (int8_bound if quantized else bound)['bound_s']:.2f}x",
+            f"{step / (quantized_bounds[scheme] if scheme else bound)['bound_s']:.2f}x",
             f"{r['bytes_read'] / 1e9:.1f}" if "bytes_read" in r else "-",
             f"{r['peak_rss_bytes'] / 1e9:.2f}", same,
         )
@@ -299,9 +322,9 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
         console.print(f"zerolite --offload nvme decode step: {base['decode_step_s']:.3f} s = "
                       f"{base['decode_step_s'] / bound['read_pass_s']:.2f}x the read-only pass, "
                       f"{base['decode_step_s'] / bound['bound_s']:.2f}x the bound", highlight=False)
-    if int8_bound:
-        console.print(f"int8 layout: read-only pass {int8_bound['read_pass_s']:.3f} s per step "
-                      f"({int8_bound['read_pass_gbps']:.2f} GB/s); its contenders' bound {int8_bound['bound_s']:.3f} s",
+    for scheme, scheme_bound in quantized_bounds.items():
+        console.print(f"{scheme} layout: read-only pass {scheme_bound['read_pass_s']:.3f} s per step "
+                      f"({scheme_bound['read_pass_gbps']:.2f} GB/s); its contenders' bound {scheme_bound['bound_s']:.3f} s",
                       highlight=False)
     room = min(psutil.virtual_memory().total, args.memory_limit or float("inf"))
     if "accelerate-disk" in finished and model_bytes < room:

@@ -96,6 +96,8 @@ CONTENDERS = {
     "zerolite-cpu": lambda a: zerolite_model(a, "cpu"),
     "zerolite-nvme-int8": lambda a: zerolite_model(a, "nvme", layout=a.int8_layout, cpu_memory=0),
     "zerolite-cpu-int8": lambda a: zerolite_model(a, "cpu", layout=a.int8_layout),
+    "zerolite-nvme-int4": lambda a: zerolite_model(a, "nvme", layout=a.int4_layout, cpu_memory=0),
+    "zerolite-cpu-int4": lambda a: zerolite_model(a, "cpu", layout=a.int4_layout),
     "transformers-ram": transformers_in_ram,
     "deepspeed-nvme": lambda a: deepspeed_zero3(a, "nvme"),
     "deepspeed-cpu": lambda a: deepspeed_zero3(a, "cpu"),
@@ -114,6 +116,7 @@ def main() -> None:
     parser.add_argument("--source", required=True)
     parser.add_argument("--layout", required=True)
     parser.add_argument("--int8-layout", default=None)
+    parser.add_argument("--int4-layout", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--new-tokens", type=int, required=True)

@@ -5,6 +5,10 @@
     out = lm.generate(**lm.tokenizer(prompts, return_tensors="pt", padding=True), max_new_tokens=100)
 """
 
+from zerolite.openmp import prefer_passive_waits
+
+prefer_passive_waits()  # before anything loads torch: see zerolite/openmp.py
+
 __version__ = "0.1.0"
 
 __all__ = ["load", "OffloadedLM"]

@@ -22,6 +22,7 @@ import torch
 from zerolite.api import OffloadedLM
 from zerolite.machine import measure_host_to_device
 from zerolite.manifest import DTYPES
+from zerolite.openmp import threads_may_spin
 from zerolite.read_pass import read_pass
 from zerolite.timeline import Span, Timeline
 
@@ -40,6 +41,8 @@ class Report:
     batch_size: int
     new_tokens: int
     dtype: str                          # the layout's
+    weights: str | None                 # "int8" or "int4" where the layers' Linear weights are quantized
+    threads_spin: bool                  # torch's OpenMP threads spin while they wait (zerolite.openmp)
     read_gbps: float | None             # the read-only pass of the streamed blocks, after the run (zerolite.read_pass)
     h2d_gbps: float | None              # measured: pinned host-to-device copies (CUDA)
     streamed_bytes_per_step: int
@@ -116,7 +119,8 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
     policy = lm.policy
     report = Report(
         device=lm.device.name, offload=policy.offload, prefetch_depth=policy.prefetch_depth,
-        batch_size=batch_size, new_tokens=new_tokens, dtype=lm.layout.manifest.dtype, read_gbps=read_gbps,
+        batch_size=batch_size, new_tokens=new_tokens, dtype=lm.layout.manifest.dtype,
+        weights=(lm.layout.manifest.quantization or {}).get("weights"), threads_spin=threads_may_spin(), read_gbps=read_gbps,
         h2d_gbps=h2d_gbps, streamed_bytes_per_step=streamed, prompt_tokens=prompt_tokens,
         prefill_s=round(steps[0].duration, 4), prefill_compute_per_token_s=round(prefill_per_token, 6),
         decode_compute_per_token_s=round(decode_per_token, 6),
@@ -131,6 +135,10 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
     engine = lm.engine
     judge(report, transfer_gbps, "disk" if lm.plan.on_disk else "copy", engine.queue_depth * engine.chunk_bytes)
     judge_prefill(report)
+    if report.threads_spin and lm.plan.on_disk:
+        report.advice.append("torch's OpenMP threads spin while they wait and take the cores the reads need (torch was "
+                             "loaded before zerolite could set OMP_WAIT_POLICY=PASSIVE): import zerolite first, or set it "
+                             "in the environment")
     return report
 
 
@@ -165,7 +173,8 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
             if bigger > r.batch_size:
                 r.verdict += f"; a batch of {bigger} would cost nothing more per step"
                 r.advice.append(f"raise --batch-size towards {bigger}: compute ({r.compute_s:.3f} s) hides under the {link} ({r.io_s:.3f} s) until then")
-        r.advice.append(fewer_bytes(r.dtype))
+        if advice := fewer_bytes(r.dtype, r.weights):
+            r.advice.append(advice)
         r.advice.append("or keep more layers where they need no read: a larger --cpu-memory (host) or --gpu-memory (GPU) "
                         "budget, each layer kept saves its transfer")
         if r.device.startswith("cuda"):
@@ -185,13 +194,19 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
     r.advice.append(f"raise --prefetch-depth to {max(r.prefetch_depth + 1, 2 * r.prefetch_depth)}, so that more blocks are read while one computes")
 
 
-def fewer_bytes(dtype: str) -> str:
-    """What moves fewer bytes per step for a layout of this dtype: 8-bit weights, and for a 32-bit
-    layout a 16-bit one too (never advised to a layout that is 16-bit already)."""
+def fewer_bytes(dtype: str, weights: str | None) -> str | None:
+    """What moves fewer bytes per step than this layout: 4- or 8-bit weights, and for a 32-bit
+    layout a 16-bit one too (never what the layout is already)."""
     size = DTYPES[dtype].itemsize
-    advice = f"move fewer bytes: int8 weights (zerolite convert MODEL --weights int8) read 1 byte per weight against this {dtype} layout's {size}"
+    if weights == "int4":
+        return None
+    # int4's bytes per weight at the default group of 64: half a byte, and a 16-bit scale and zero point per group
+    int4 = f"int4 weights (zerolite convert MODEL --weights int4) read about {(0.5 + 4 / 64) / (1 if weights else size):.2f}x"
+    if weights == "int8":
+        return f"move fewer bytes: {int4} of this int8 layout's"
+    advice = f"move fewer bytes: {int4} of this {dtype} layout's, int8 weights (--weights int8) {1 / size:.2f}x"
     if size > 2:
-        advice += "; a bf16 layout (zerolite convert MODEL --dtype bf16) reads 2"
+        advice += "; a bf16 layout (zerolite convert MODEL --dtype bf16) reads 0.5x"
     return advice
 
 
