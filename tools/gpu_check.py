@@ -8,7 +8,7 @@ DeepSpeed's NVMe path also needs libaio (apt-get install libaio-dev).
 
 1. the CUDA tests (`pytest -m cuda`) under TORCH_CUDA_SANITIZER=1, PyTorch's checker of
    unsynchronised accesses across CUDA streams;
-2. tools/bench.py at each batch size: zerolite --offload nvme and cpu beside DeepSpeed
+2. tools/bench.py at each batch size: zerolite --offload nvme and cpu, and nvme with int8 and int4 weights, beside DeepSpeed
    ZeRO-Inference (NVMe and CPU), on the benchmark model (built and converted if missing);
 3. `zerolite profile --offload nvme` on the same layout, at the first batch size.
 
@@ -35,7 +35,7 @@ from bench_contenders import CONTENDERS
 
 ROOT = Path(__file__).resolve().parent.parent
 ZEROLITE = shutil.which("zerolite", path=os.path.dirname(sys.executable)) or "zerolite"
-DEFAULT_CONTENDERS = "zerolite-nvme,zerolite-cpu,deepspeed-nvme,deepspeed-cpu"
+DEFAULT_CONTENDERS = "zerolite-nvme,zerolite-cpu,zerolite-nvme-int8,zerolite-nvme-int4,deepspeed-nvme,deepspeed-cpu"
 TAIL_LINES = 60
 SANITIZER_FINDING = "CSAN detected a possible data race"
 
