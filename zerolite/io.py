@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 import torch
@@ -17,6 +19,9 @@ from zerolite import _engine
 
 ALIGNMENT = 4096
 """O_DIRECT needs buffer address, file offset and length aligned to the device's block size."""
+
+HUGE_PAGE = 2 << 20
+"""Buffers this large or larger get memory of their own in transparent huge pages (host_mapping)."""
 
 ShortReadError = _engine.ShortReadError
 
@@ -31,13 +36,38 @@ def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 host tensor of nbytes whose first byte is 4 KiB aligned (pinned
-    memory for a GPU comes from the device: zerolite.device)."""
+    memory for a GPU comes from the device: zerolite.device); from HUGE_PAGE bytes on, in huge pages."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if nbytes >= HUGE_PAGE:
+        return torch.frombuffer(host_mapping(nbytes)[0], dtype=torch.uint8)
     # Over-allocate by one alignment and slice: the view keeps the whole allocation alive.
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGNMENT
     return raw[skip : skip + nbytes]
+
+
+def host_mapping(nbytes: int) -> tuple[ctypes.Array, mmap.mmap]:
+    """nbytes of private anonymous memory, 2 MiB aligned and advised into transparent huge pages,
+    as a ctypes array (which keeps the mapping alive) and the mapping itself.
+
+    Why: an O_DIRECT read pins every page it lands in, and pinning 4 KiB pages one by one costs
+    the kernel more than the read on a fast disk. The engine's read-only pass over the 1.9 GB
+    benchmark model ran at 0.93-1.1 s per pass into 4 KiB pages and 0.61-0.63 s into huge pages,
+    same process, same blocks. Where the kernel gives no huge pages the memory works as before.
+    """
+    rounded = align_up(nbytes, HUGE_PAGE)
+    mapping = mmap.mmap(-1, rounded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    skip = -start % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE, skip, rounded)
+    return (ctypes.c_uint8 * nbytes).from_buffer(mapping, skip), mapping
+
+
+def host_bytes(nbytes: int) -> int:
+    """The host memory aligned_empty(nbytes) really takes."""
+    return align_up(nbytes, HUGE_PAGE if nbytes >= HUGE_PAGE else ALIGNMENT)
 
 
 class IoEngine:
