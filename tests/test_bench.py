@@ -19,7 +19,7 @@ from zerolite.read_pass import read_pass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from bench import build_parser  # noqa: E402  (tools/ is on the path from here on)
+from bench import agreement, build_parser  # noqa: E402  (tools/ is on the path from here on)
 from bench_cgroup import MemoryCgroup, hierarchy, parse_limit  # noqa: E402
 from bench_gguf import gguf_folder, make_gguf  # noqa: E402
 from tiny_models import VOCAB  # noqa: E402
@@ -128,3 +128,8 @@ def test_bf16_gguf_holds_the_source_weights(make_source, tmp_path):
     os.utime(source / "model.safetensors", ns=(written, written))  # the source saved again
     assert gguf_folder(source, tmp_path) != folder
 
+
+def test_agreement_counts_tokens_up_to_each_rows_first_difference():
+    reference = [[5, 6, 7, 8], [5, 6, 7, 8]]
+    assert agreement(reference, reference) == 1.0
+    assert agreement([[5, 6, 0, 8], [0, 6, 7, 8]], reference) == 2 / 8  # the 8 after a difference is not counted
