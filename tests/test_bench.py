@@ -1,12 +1,17 @@
 """tools/bench.py's cheap parts: its arguments, --memory-limit's sizes, which cgroup hierarchy it
-picks (on a fake sysfs), and the read-only pass its disk bound comes from."""
+picks (on a fake sysfs), the read-only pass its disk bound comes from, and the GGUF file its
+llama.cpp contenders run (read back by transformers; llama.cpp itself is not installed by the tests)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from zerolite.errors import ZeroliteError
 from zerolite.layout import Layout
@@ -14,8 +19,10 @@ from zerolite.read_pass import read_pass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from bench import build_parser  # noqa: E402  (tools/ is on the path from here on)
+from bench import agreement, build_parser  # noqa: E402  (tools/ is on the path from here on)
 from bench_cgroup import MemoryCgroup, hierarchy, parse_limit  # noqa: E402
+from bench_gguf import gguf_folder, make_gguf  # noqa: E402
+from tiny_models import VOCAB  # noqa: E402
 
 REQUIRED = ["--source", "s", "--layout", "l"]
 
@@ -99,3 +106,30 @@ def test_read_pass_reads_the_layers_once_per_pass(make_layout):
     assert figures["read_gbps"] > 0
     with pytest.raises(ZeroliteError, match="no block is streamed"):
         read_pass(layout, [], passes=1)
+
+
+def test_bf16_gguf_holds_the_source_weights(make_source, tmp_path):
+    """transformers reads a GGUF Llama undoing the q/k row permutation llama.cpp's converter applies:
+    read back, every weight is the source's in bf16 (norms in f32), grouped-query k included."""
+    source = make_source("llama", tie=False, fresh=True)  # 4 heads, 2 of them for k and v; its own lm_head
+    folder = gguf_folder(source, tmp_path)
+    path = make_gguf(source, folder, "bf16")
+    written = path.stat().st_mtime_ns
+    assert make_gguf(source, folder, "bf16") == path and path.stat().st_mtime_ns == written  # kept, not made again
+    assert len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data) == VOCAB
+    read_back = AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=torch.float32).state_dict()
+    weights = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
+    assert read_back.keys() == weights.keys()
+    for name, weight in weights.items():
+        expected = weight.to(torch.bfloat16).float() if weight.dim() > 1 else weight
+        assert torch.equal(read_back[name], expected), name
+    with pytest.raises(ZeroliteError, match="no GGUF of 'q8_0' weights"):
+        make_gguf(source, folder, "q8_0")
+    os.utime(source / "model.safetensors", ns=(written, written))  # the source saved again
+    assert gguf_folder(source, tmp_path) != folder
+
+
+def test_agreement_counts_tokens_up_to_each_rows_first_difference():
+    reference = [[5, 6, 7, 8], [5, 6, 7, 8]]
+    assert agreement(reference, reference) == 1.0
+    assert agreement([[5, 6, 0, 8], [0, 6, 7, 8]], reference) == 2 / 8  # the 8 after a difference is not counted

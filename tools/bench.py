@@ -1,7 +1,7 @@
 """zerolite beside the other ways to run a model that does not fit: one model, batch and new-token
 count, every contender in a fresh process, the page cache dropped before each. Run as root.
 
-    pip install -e '.[bench]'      # DeepSpeed; its NVMe path also needs: apt-get install libaio-dev
+    pip install -e '.[bench]'      # DeepSpeed (its NVMe path also needs: apt-get install libaio-dev), llama.cpp
     python tools/bench.py --source build/llama19/source --layout build/llama19/layout \
         --batch-size 16 --new-tokens 16 [--contenders zerolite-nvme,transformers-ram,...] \
         [--repeat 5] [--memory-limit 1.5GB] [--json out.json]
@@ -24,6 +24,13 @@ read is no bound: on virtual disks the host caches below the guest, and decode's
 far faster). fio's cold sequential read of the layout is printed beside it where fio is installed.
 The compute: transformers' decode step with every weight in RAM (with --memory-limit, from one
 more run of it, outside the limit).
+
+The llama.cpp contenders (llamacpp-bf16, llamacpp-q4_0) run GGUF files of --source made by
+tools/bench_gguf.py before the first round and kept in --scratch's folder for later runs. Their
+tokens come from other kernels (and, for q4_0, other weights): beside them is the share of new
+tokens equal to transformers' up to each row's first difference (greedy decoding goes on from its
+own tokens, so what follows a difference is no longer comparable). q4_0 has no bound: no read-only
+pass is run over weights of its size.
 
 --memory-limit SIZE runs each contender in a memory cgroup of that size (v2 where available, else
 v1; swap limited too): below the model's size, contenders that lean on the page cache meet the
@@ -48,6 +55,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_cgroup import MemoryCgroup, parse_limit
+from bench_gguf import gguf_folder, make_gguf
 from bench_io import fio_gbps
 from zerolite.errors import ZeroliteError
 from zerolite.io import ALIGNMENT
@@ -70,6 +78,7 @@ FIO_CHUNK, FIO_DEPTH = 1 << 20, 32  # the engine's defaults
 # Contenders whose name ends in -SCHEME run the same model converted with these convert arguments,
 # from --SCHEME-layout.
 QUANTIZED = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=64)}
+LLAMACPP = "llamacpp-"  # contenders whose name starts so run the GGUF file of the weights named after it
 
 
 def scheme_of(name: str) -> str | None:
@@ -125,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=at_least_one, default=1, help="runs of each contender (taking turns); medians are shown")
     parser.add_argument("--memory-limit", type=memory_limit, default=None,
                         help="run each contender in a memory cgroup of this size (1.5GB, 1536MiB)")
-    parser.add_argument("--scratch", default=None, help="folder for DeepSpeed's NVMe swap and accelerate's offload "
-                        "(default: a temporary folder beside --layout, on its disk)")
+    parser.add_argument("--scratch", default=None, help="folder for DeepSpeed's NVMe swap and accelerate's offload, "
+                        "in a temporary folder made in it, and for the llama.cpp contenders' GGUF files, kept "
+                        "(default: the folder --layout is in)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one contender may take")
     parser.add_argument("--json", default=None, help="write every figure here too")
     return parser
@@ -137,6 +147,7 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
     out.unlink(missing_ok=True)  # a result left by the round before is not this run's
     command = [sys.executable, str(HERE / "bench_contenders.py"), name, "--source", args.source, "--layout", args.layout,
                *(word for scheme in QUANTIZED for word in (f"--{scheme}-layout", getattr(args, f"{scheme}_layout"))),
+               "--gguf-folder", args.gguf_folder,
                "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
                "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
                "--out", str(out), "--started", str(time.time())]
@@ -197,8 +208,14 @@ def main() -> None:
     # A quantized contender reads its own layout: its disk bound is a read-only pass over that layout's layers.
     quantized = {scheme: Layout.open(getattr(args, f"{scheme}_layout"))
                  for scheme in dict.fromkeys(filter(None, map(scheme_of, runs)))}
+    scratch_root = Path(args.scratch) if args.scratch else Path(args.layout).resolve().parent
+    args.gguf_folder = str(gguf_folder(Path(args.source), scratch_root))
+    for name in runs:
+        if name.startswith(LLAMACPP):
+            gguf = make_gguf(Path(args.source), Path(args.gguf_folder), name.removeprefix(LLAMACPP))
+            console.print(f"{name}: {gguf}", highlight=False)
     passes, quantized_passes = [], {scheme: [] for scheme in quantized}
-    with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.layout).resolve().parent, prefix="bench-") as scratch:
+    with tempfile.TemporaryDirectory(dir=scratch_root, prefix="bench-") as scratch:
         for round_ in range(args.repeat):
             drop_page_cache()
             passes.append(read_pass(layout, layers, passes=decode_steps, depth=Policy().prefetch_depth))
@@ -271,6 +288,14 @@ def bounds(passes: list[dict], fio: float | None, reference: dict, streamed: int
             "compute_s": compute_s, "bound_s": max(disk_s, compute_s or 0.0)}
 
 
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of new tokens equal to the reference's before each row's first difference."""
+    same = 0
+    for row, expected in zip(tokens, reference):
+        same += next((i for i, (a, b) in enumerate(zip(row, expected)) if a != b), len(row))
+    return same / sum(len(row) for row in tokens)
+
+
 def report(console: Console, results: dict, args, bound: dict, model_bytes: int, quantized_bounds: dict[str, dict]) -> None:
     finished = {name: r for name, r in results.items() if "error" not in r}
     base, reference = finished.get(BASELINE), finished.get(REFERENCE)
@@ -289,17 +314,24 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
         scheme = scheme_of(name)
         if scheme:
             same = f"{scheme}: tests compare it"  # other weights, other logits: compared in tests/test_quantized.py
+        elif reference is None:
+            same = "-"
+        elif r["tokens"] == reference["tokens"]:
+            same = "yes"
+        elif name.startswith(LLAMACPP):
+            same = f"{agreement(r['tokens'], reference['tokens']):.0%} to 1st diff"
         else:
-            same = "-" if reference is None else ("yes" if r["tokens"] == reference["tokens"] else "NO")
+            same = "NO"
         if r["failed_runs"]:
             same += f" ({r['failed_runs']} of {len(r['runs'])} runs failed)"
         step = r["decode_step_s"]
+        own_bound = None if name == LLAMACPP + "q4_0" else quantized_bounds[scheme] if scheme else bound
         table.add_row(
             name, f"{r['ready_s']:.1f}", f"{r['prefill_s']:.2f}", f"{step:.3f}", f"{r['decode_step_spread']:.2f}x",
             f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}",
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
             f"{r['ready_s'] / base['ready_s']:.1f}x" if base else "-",
-            f"{step / (quantized_bounds[scheme] if scheme else bound)['bound_s']:.2f}x",
+            f"{step / own_bound['bound_s']:.2f}x" if own_bound else "-",
             f"{r['bytes_read'] / 1e9:.1f}" if "bytes_read" in r else "-",
             f"{r['peak_rss_bytes'] / 1e9:.2f}", same,
         )

@@ -2,7 +2,8 @@
 everything it costs (interpreter, imports, loading) and no contender warms another's caches.
 
     python tools/bench_contenders.py NAME --source HF_FOLDER --layout LAYOUT --batch-size 16 \
-        --new-tokens 16 --prompt-tokens 8 --started UNIX_TIME --out result.json [--scratch DIR]
+        --new-tokens 16 --prompt-tokens 8 --started UNIX_TIME --out result.json [--scratch DIR] \
+        [--gguf-folder DIR]
 
 Every contender generates greedily from the same random prompts, exactly --new-tokens each, and
 reports when it was ready, its prefill and decode step times, and the tokens (compared by bench.py).
@@ -15,8 +16,10 @@ import json
 import os
 import resource
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -88,6 +91,68 @@ def deepspeed_zero3(args, offload: str):
     return engine.module, {"keep": keep}
 
 
+def llamacpp(args, weights: str):
+    """llama.cpp on the GGUF file bench.py made (tools/bench_gguf.py), memory-mapped, with its own
+    defaults otherwise. Through its C API rather than llama_cpp.Llama, whose context holds one
+    sequence: a batch of prompts decodes together only in a context of batch-size sequences."""
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_mmap = True
+    path = Path(args.gguf_folder) / f"{weights}.gguf"
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    context_params = llama_cpp.llama_context_default_params()
+    context_params.n_seq_max = args.batch_size
+    context_params.n_ctx = args.batch_size * (args.prompt_tokens + args.new_tokens)  # split among the sequences
+    context_params.n_batch = context_params.n_ubatch = args.batch_size * args.prompt_tokens  # the prefill in one pass
+    context_params.n_threads = context_params.n_threads_batch = torch.get_num_threads()  # as the torch contenders
+    context = llama_cpp.llama_init_from_model(model, context_params)
+    if not context:
+        raise RuntimeError(f"llama.cpp could not make a context for {path}")
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    return context, {"keep": model, "vocab": vocab, "generate": partial(llamacpp_generate, vocab=vocab)}
+
+
+def llamacpp_generate(context, input_ids: torch.Tensor, new_tokens: int, clock, vocab: int) -> torch.Tensor:
+    """Greedy: row r is llama.cpp's sequence r, and every llama_decode takes one token of every row
+    (the prefill: every prompt token, logits for each row's last), so the rows run as one batch."""
+    import llama_cpp
+
+    rows, length = input_ids.shape
+    batch = llama_cpp.llama_batch_init(rows * length, 0, 1)
+    # (token, position, row, whether its logits are wanted)
+    entries = [(token, position, row, position == length - 1)
+               for row, prompt in enumerate(input_ids.tolist()) for position, token in enumerate(prompt)]
+    generated = []
+    clock.put(input_ids)
+    for step in range(new_tokens):
+        batch.n_tokens = len(entries)
+        for i, (token, position, row, wanted) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, wanted
+            batch.seq_id[i][0] = row
+        if llama_cpp.llama_decode(context, batch) != 0:
+            raise RuntimeError(f"llama_decode failed at step {step}")
+        outputs = [i for i, entry in enumerate(entries) if entry[3]]
+        chosen = [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(context, i), shape=(vocab,)).argmax())
+                  for i in outputs]
+        generated.append(chosen)
+        clock.put(torch.tensor(chosen))
+        entries = [(token, length + step, row, True) for row, token in enumerate(chosen)]
+    llama_cpp.llama_batch_free(batch)
+    return torch.tensor(generated).T
+
+
+def transformers_generate(model, input_ids: torch.Tensor, new_tokens: int, clock) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, streamer=clock)
+    return out[:, input_ids.shape[1]:]
+
+
 CONTENDERS = {
     "zerolite-nvme": lambda a: zerolite_model(a, "nvme", cpu_memory=0),
     "zerolite-nvme-half": lambda a: zerolite_model(a, "nvme", cpu_memory=a.half_bytes),
@@ -102,6 +167,8 @@ CONTENDERS = {
     "deepspeed-nvme": lambda a: deepspeed_zero3(a, "nvme"),
     "deepspeed-cpu": lambda a: deepspeed_zero3(a, "cpu"),
     "accelerate-disk": accelerate_disk,
+    "llamacpp-bf16": lambda a: llamacpp(a, "bf16"),
+    "llamacpp-q4_0": lambda a: llamacpp(a, "q4_0"),
 }
 
 
@@ -117,6 +184,7 @@ def main() -> None:
     parser.add_argument("--layout", required=True)
     parser.add_argument("--int8-layout", default=None)
     parser.add_argument("--int4-layout", default=None)
+    parser.add_argument("--gguf-folder", default=None, help="the llama.cpp contenders' GGUFs (tools/bench_gguf.py)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--new-tokens", type=int, required=True)
@@ -132,19 +200,17 @@ def main() -> None:
 
     from zerolite.generate import StepClock  # after the clock stopped: it is the bench's, not the contender's
 
-    vocab = model.config.get_text_config().vocab_size
+    vocab = extras.get("vocab") or model.config.get_text_config().vocab_size
     input_ids = prompts(vocab, args.batch_size, args.prompt_tokens).to(args.device)
+    generate = extras.get("generate", transformers_generate)
     clock = StepClock(lambda rows: None)
     started = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                             pad_token_id=0, streamer=clock)
+    tokens = generate(model, input_ids, args.new_tokens, clock)
     generate_s = time.perf_counter() - started
     steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
     result = {
         "name": args.name, "ready_s": ready_s, "generate_s": generate_s, "prefill_s": clock.prefill_s,
-        "step_s": steps, "tokens": out[:, input_ids.shape[1]:].tolist(),
+        "step_s": steps, "tokens": tokens.tolist(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if "bytes_read" in extras:
