@@ -23,7 +23,8 @@ per decode step, run in each round with the page cache dropped first, like the c
 read is no bound: on virtual disks the host caches below the guest, and decode's repeated reads run
 far faster). fio's cold sequential read of the layout is printed beside it where fio is installed.
 The compute: transformers' decode step with every weight in RAM (with --memory-limit, from one
-more run of it, outside the limit).
+more run of it, outside the limit); for an int8 or int4 contender, zerolite-cpu-SCHEME's step where
+that contender ran (the quantized kernels' compute, not a bf16 matmul's), else transformers'.
 
 The llama.cpp contenders (llamacpp-bf16, llamacpp-q4_0) run GGUF files of --source made by
 tools/bench_gguf.py before the first round and kept in --scratch's folder for later runs. Their
@@ -242,9 +243,14 @@ def main() -> None:
     results = {name: summarise(name, done, args) for name, done in runs.items()}
     reference = compute or results.get(REFERENCE, {})
     bound = bounds(passes, fio, reference, streamed)
-    quantized_bounds = {scheme: bounds(quantized_passes[scheme], None, reference,
-                                       scheme_layout.manifest.nbytes(scheme_layout.manifest.layer_names))
-                        for scheme, scheme_layout in quantized.items()}
+    # A quantized layout's compute is its own kernels', not a bf16 matmul's: its in-RAM run
+    # (zerolite-cpu-SCHEME), where that contender ran, is its compute bound.
+    quantized_bounds = {}
+    for scheme, scheme_layout in quantized.items():
+        in_ram = results.get(f"zerolite-cpu-{scheme}", {})
+        quantized_bounds[scheme] = bounds(quantized_passes[scheme], None, reference if "error" in in_ram else in_ram or reference,
+                                          scheme_layout.manifest.nbytes(scheme_layout.manifest.layer_names))
+        quantized_bounds[scheme]["compute_of"] = REFERENCE if "error" in in_ram or not in_ram else f"zerolite-cpu-{scheme}"
     report(console, results, args, bound, manifest.data_bytes, quantized_bounds)
     if args.json:
         Path(args.json).write_text(json.dumps({"layer_bytes": streamed, "memory_limit_bytes": args.memory_limit,
@@ -356,8 +362,8 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
                       f"{base['decode_step_s'] / bound['bound_s']:.2f}x the bound", highlight=False)
     for scheme, scheme_bound in quantized_bounds.items():
         console.print(f"{scheme} layout: read-only pass {scheme_bound['read_pass_s']:.3f} s per step "
-                      f"({scheme_bound['read_pass_gbps']:.2f} GB/s); its contenders' bound {scheme_bound['bound_s']:.3f} s",
-                      highlight=False)
+                      f"({scheme_bound['read_pass_gbps']:.2f} GB/s); its contenders' bound {scheme_bound['bound_s']:.3f} s "
+                      f"(compute {scheme_bound['compute_s'] or 0:.3f} s of {scheme_bound['compute_of']})", highlight=False)
     room = min(psutil.virtual_memory().total, args.memory_limit or float("inf"))
     if "accelerate-disk" in finished and model_bytes < room:
         console.print("accelerate-disk: the model fits in the memory it may use here, so after its first pass its "
