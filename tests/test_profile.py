@@ -82,6 +82,15 @@ def test_a_16_bit_layout_is_not_advised_a_16_bit_layout(make_layout):
         assert "--weights int4" in advice and "0.28x" in advice, advice
 
 
+def test_an_int4_layout_not_in_bf16_is_advised_bf16_for_its_kernel(make_layout):
+    fp32 = profiled(make_layout("llama", layers=2, weights="int4", group_size=32), "nvme", depth=2, batch=1, new_tokens=3)[0]
+    bf16 = profiled(make_layout("llama", layers=2, dtype="bf16", weights="int4", group_size=32), "nvme", depth=2, batch=1,
+                    new_tokens=3)[0]
+    assert fp32.weights == "int4" and any("--dtype bf16 --weights int4" in advice for advice in fp32.advice), fp32.advice
+    assert not any("--dtype bf16" in advice for advice in bf16.advice), bf16.advice
+    assert not any("--weights int4" in advice for advice in bf16.advice), bf16.advice  # it is int4 already
+
+
 def test_a_prefill_slow_for_its_size_is_flagged(layout):
     """A prefill made slow the way torch's CPU slow path makes it: each layer's compute sleeps
     when it sees more than one position, and only then."""

@@ -135,6 +135,9 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
     engine = lm.engine
     judge(report, transfer_gbps, "disk" if lm.plan.on_disk else "copy", engine.queue_depth * engine.chunk_bytes)
     judge_prefill(report)
+    if report.weights == "int4" and report.dtype != "bfloat16" and not lm.device.separate_memory:
+        report.advice.append(f"int4's CPU kernel runs only with bf16 activations, so this {report.dtype} layout "
+                             "dequantises every int4 weight at every step: convert with --dtype bf16 --weights int4")
     if report.threads_spin and lm.plan.on_disk:
         report.advice.append("torch's OpenMP threads spin while they wait and take the cores the reads need (torch was "
                              "loaded before zerolite could set OMP_WAIT_POLICY=PASSIVE): import zerolite first, or set it "
