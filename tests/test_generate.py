@@ -66,7 +66,7 @@ def test_jsonl_in_and_out_match_transformers_batch_by_batch(capsys, monkeypatch,
         assert line["token_ids"] == tokens
         assert line["finish_reason"] == ("stop" if tokens[-1] == 2 else "length")
     stats = json.loads((tmp_path / "stats.json").read_text())
-    assert set(stats) >= {"load_s", "prefill_s", "decode_s", "new_tokens", "decode_tokens_per_s",
+    assert set(stats) >= {"load_s", "prefill_s", "decode_s", "new_tokens", "decode_tokens_per_s", "tokens_per_pass",
                           "bytes_read", "peak_rss_bytes", "peak_device_bytes"}
     assert stats["new_tokens"] == sum(map(len, expected)) and stats["bytes_read"] > 0
 

@@ -20,6 +20,7 @@ from zerolite.budget import Budgets
 from zerolite.checkpoint import quiet_transformers
 from zerolite.convert import JOURNAL, choose_dtype, holds_layout
 from zerolite.device import Device
+from zerolite.draft import check_same_vocabulary, draft_layout
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
 from zerolite.io import IoEngine
@@ -41,12 +42,13 @@ class OffloadedLM:
     .device and .load_read_gbps are what the plan printer and the profiler read.
     """
 
-    def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float):
+    def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float, draft: OffloadedLM | None = None):
         self.executor = executor
         self.model = executor.model
         self.tokenizer = tokenizer
         self.load_s = load_s
         self.convert_s = convert_s
+        self.draft = draft  # held resident; generate drafts with it (zerolite.draft)
 
     @property
     def device(self) -> Device:
@@ -97,8 +99,14 @@ class OffloadedLM:
     def generate(self, *args, **kwargs):
         """transformers' generate, with tensor arguments moved to the model's device and, with
         kv_offload set, a cache that keeps that fraction of the layers' K/V in host memory."""
-        check_token_ids(self.model.config, args[0] if args else kwargs.get("input_ids"))
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        check_token_ids(self.model.config, input_ids)
         refuse_static_cache(self.model, kwargs)
+        if self.draft is not None:
+            if isinstance(input_ids, torch.Tensor) and input_ids.shape[0] > 1:
+                raise ZeroliteError(f"speculative decoding runs at batch 1, and this batch has {input_ids.shape[0]} "
+                                    "prompts: give them one at a time, or leave out --draft to batch them")
+            kwargs.setdefault("assistant_model", self.draft.model)
         args = tuple(a.to(self.torch_device) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to(self.torch_device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         config = kwargs.get("generation_config") or self.model.generation_config
@@ -128,6 +136,8 @@ class OffloadedLM:
 
     def close(self) -> None:
         self.executor.close()
+        if self.draft is not None:
+            self.draft.close()
 
     def __enter__(self) -> OffloadedLM:
         return self
@@ -173,6 +183,8 @@ def load(
     allow_pickle: bool = False,
     show_progress: bool = True,
     timeline: Timeline | None = None,
+    draft: str | os.PathLike | None = None,
+    draft_group_size: int | None = None,
     **policy,
 ) -> OffloadedLM:
     """Loads model for streamed inference.
@@ -180,7 +192,9 @@ def load(
     model: a zerolite layout folder, or a checkpoint (model folder, .gguf file, hub id in the local
     cache), converted first into path (default: zerolite's cache) and reused on later loads.
     None means the built-in SmolLM2-135M-Instruct. timeline, if given, records what the executor
-    does (zerolite profile). The remaining keywords are Policy fields (prefetch_depth, gpu_memory,
+    does (zerolite profile). draft: a layout or checkpoint sharing the model's tokenizer, or
+    "self-int4" / "self-int8" (with draft_group_size), held resident to draft for speculative
+    decoding at batch 1 (zerolite.draft). The remaining keywords are Policy fields (prefetch_depth, gpu_memory,
     cpu_memory (bytes, or sizes such as "24GB"), kv_offload, io_backend, ...).
     """
     quiet_transformers()
@@ -207,7 +221,16 @@ def load(
     with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
         executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE)
     tokenizer = load_tokenizer(layout_folder)
-    return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s)
+    draft_lm = None
+    if draft is not None:
+        try:
+            draft_folder = draft_layout(str(draft), layout, draft_group_size, show_progress)
+            check_same_vocabulary(layout_folder, draft_folder)
+            draft_lm = load(draft_folder, offload="none", device=target, show_progress=show_progress)
+        except BaseException:
+            executor.close()
+            raise
+    return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm)
 
 
 def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool) -> Path:

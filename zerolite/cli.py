@@ -118,10 +118,12 @@ def generate(
     input_file: Annotated[Path | None, typer.Option("--input", help='JSONL prompts: {"id", "prompt"} or {"id", "input_ids"} per line.')] = None,
     output: Annotated[Path | None, typer.Option(help='JSONL completions: {"id", "prompt", "completion", "token_ids", "finish_reason"} per line.')] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt, at most.")] = 64,
-    batch_size: Annotated[str, typer.Option(help="Prompts per pass over the weights, or auto: the largest batch the memory left holds.")] = "8",
+    batch_size: Annotated[str | None, typer.Option(help="Prompts per pass over the weights, or auto: the largest batch the memory left holds (default 8; 1 with --draft).", show_default=False)] = None,
     gpu_memory: GpuMemory = None,
     cpu_memory: CpuMemory = None,
     kv_offload: KvOffload = 0.0,
+    draft: Annotated[str | None, typer.Option(help="Speculative decoding at batch 1: a small model sharing the tokenizer (layout or checkpoint), or self-int4 / self-int8 (the model's own weights quantized), held resident to draft tokens the streamed model checks several at a time.")] = None,
+    draft_group_size: Annotated[int | None, typer.Option("--draft-group-size", help="self-int4: input weights per scale and zero point, as convert's --group-size (default 64).")] = None,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the likeliest tokens holding this much probability (0 < p <= 1).")] = 1.0,
@@ -151,7 +153,10 @@ def generate(
             raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
     todo = read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
     sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
-    batch = parse_batch_size(batch_size)
+    if draft is not None and batch_size not in (None, "1"):
+        raise ZeroliteError(f"--draft runs prompts one at a time (speculative decoding is for batch 1), and --batch-size "
+                            f"is {batch_size}: leave out --batch-size, or leave out --draft to batch them")
+    batch = 1 if draft is not None else parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
     policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
 
     with ExitStack() as stack:
@@ -160,7 +165,8 @@ def generate(
             stderr.print(f"every prompt already has its completion in {output}: nothing to do")
             return
         lm = stack.enter_context(zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype,
-                                               allow_pickle=allow_pickle, prefetch_depth=prefetch_depth, **policy))
+                                               allow_pickle=allow_pickle, prefetch_depth=prefetch_depth, draft=draft,
+                                               draft_group_size=draft_group_size, **policy))
 
         def show(batch) -> None:
             if log is not None:
@@ -239,6 +245,9 @@ def profile(
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         show_report(report)
+
+
+DEFAULT_BATCH_SIZE = "8"
 
 
 def parse_batch_size(text: str) -> int | None:

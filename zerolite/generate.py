@@ -54,7 +54,8 @@ class RunStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     new_tokens: int = 0          # generated tokens kept, over all prompts (up to and with the end token)
-    decode_tokens: int = 0       # tokens produced by decode steps: rows x (steps - 1), per batch
+    decode_tokens: int = 0       # tokens produced by decode steps, over all rows
+    decode_steps: int = 0        # the model's forwards after each batch's prefill
     bytes_read: int = 0
     peak_rss_bytes: int = 0
     peak_device_bytes: int | None = None
@@ -67,6 +68,8 @@ class RunStats:
             "decode_s": round(self.decode_s, 4),
             "new_tokens": self.new_tokens,
             "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s > 0 else None,
+            # above 1 per row only with a draft: the tokens each pass over the weights made
+            "tokens_per_pass": round(self.decode_tokens / self.decode_steps, 3) if self.decode_steps else None,
             "bytes_read": self.bytes_read,
             "peak_rss_bytes": self.peak_rss_bytes,
             "peak_device_bytes": self.peak_device_bytes,
@@ -75,16 +78,19 @@ class RunStats:
 
 class StepClock(BaseStreamer):
     """Times generate's steps through its streamer hook: the first put is the prompt, every later
-    put one new token per row. Prefill ends at the second put, decode at the last."""
+    put the tokens one forward made (one per row; several for one row when a draft's guesses were
+    checked in that forward). Prefill ends at the second put, decode at the last."""
 
     def __init__(self, on_step: Callable[[int], None]):
         self.on_step = on_step
         self.times: list[float] = []
+        self.tokens: list[int] = []   # tokens each put carried
 
     def put(self, value: torch.Tensor) -> None:
         self.times.append(time.perf_counter())
+        self.tokens.append(value.numel())
         if len(self.times) > 1:
-            self.on_step(value.shape[0])
+            self.on_step(value.numel())
 
     def end(self) -> None:
         pass
@@ -99,7 +105,13 @@ class StepClock(BaseStreamer):
 
     @property
     def decode_steps(self) -> int:
+        """Forwards of the model after the prefill."""
         return max(len(self.times) - 2, 0)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens those forwards made, over all rows."""
+        return sum(self.tokens[2:])
 
 
 def generate_all(
@@ -149,7 +161,8 @@ def generate_all(
             completions = [finish(lm, prompts[i], new[k].tolist(), config) for k, i in enumerate(rows)]
             stats.prefill_s += clock.prefill_s
             stats.decode_s += clock.decode_s
-            stats.decode_tokens += len(rows) * clock.decode_steps
+            stats.decode_tokens += clock.decode_tokens
+            stats.decode_steps += clock.decode_steps
             stats.new_tokens += sum(len(c.token_ids) for c in completions)
             on_batch(completions)
     stats.bytes_read = lm.bytes_read - bytes_before

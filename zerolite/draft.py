@@ -1,0 +1,67 @@
+"""The draft of speculative decoding: a small model held resident beside the streamed target,
+whose guesses the target checks several at a time, in one pass over its weights.
+
+    folder = draft_layout("self-int4", target_layout, group_size=None, show_progress=True)
+    check_same_vocabulary(target_layout.folder, folder)
+
+--draft PATH names a layout or checkpoint that shares the target's tokenizer. --draft self-int4 or
+self-int8 is the target's own weights quantized: converted once from the source the target was
+converted from, into a layout beside the target's (TARGET-draft-int4-g64), so no second model is
+needed. An int4 self-draft is bf16, the dtype the CPU int4 kernel runs fast in. transformers'
+assisted generation does the drafting, the checking and the cache rollback; greedy output is the
+target's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerolite.checkpoint import DTYPE_CHOICES
+from zerolite.convert import convert
+from zerolite.errors import ZeroliteError
+from zerolite.layout import Layout
+from zerolite.quantize import DEFAULT_GROUP_SIZE
+
+SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
+
+
+def draft_layout(spec: str, target: Layout, group_size: int | None, show_progress: bool) -> Path:
+    """The folder of the draft's layout, converted first where it is a self-draft or a checkpoint."""
+    from zerolite.api import ensure_layout  # here: zerolite.api loads drafts through this module
+
+    if spec not in SELF_DRAFTS:
+        if group_size is not None:
+            raise ZeroliteError("--draft-group-size is for self-int4 drafts: leave it out with --draft PATH")
+        return ensure_layout(spec, None, None, False, show_progress)
+    weights = SELF_DRAFTS[spec]
+    if weights == "int8" and group_size is not None:
+        raise ZeroliteError("--draft-group-size is for self-int4 drafts: int8 has one scale per output channel")
+    group_size = group_size or DEFAULT_GROUP_SIZE if weights == "int4" else None
+    own = target.manifest.quantization or {}
+    if own.get("weights") == weights and own.get("group_size") == group_size:
+        raise ZeroliteError(f"the target layout is {spec.removeprefix('self-')} already, so --draft {spec} would be "
+                            "the target itself: draft with a smaller model (--draft PATH), or stream it without --draft")
+    folder = target.folder.with_name(f"{target.folder.name}-draft-{weights}" + (f"-g{group_size}" if group_size else ""))
+    dtype = "bf16" if weights == "int4" else next(name for name, torch_dtype in DTYPE_CHOICES.items()
+                                                     if str(torch_dtype).removeprefix("torch.") == target.manifest.dtype)
+    convert(target.manifest.source["model"], folder, dtype=dtype, weights=weights, group_size=group_size,
+            show_progress=show_progress)
+    return folder
+
+
+def check_same_vocabulary(target: Path, draft: Path) -> None:
+    """A draft must speak the target's tokens: the same tokenizer vocabulary, or, where the layouts
+    carry no tokenizer, the same vocabulary size."""
+    from transformers import AutoConfig
+
+    from zerolite.api import load_tokenizer
+
+    mine, theirs = load_tokenizer(target), load_tokenizer(draft)
+    if mine is not None and theirs is not None:
+        same = mine.get_vocab() == theirs.get_vocab()
+    else:
+        sizes = [AutoConfig.from_pretrained(folder).get_text_config().vocab_size for folder in (target, draft)]
+        same = mine is None and theirs is None and sizes[0] == sizes[1]
+    if not same:
+        raise ZeroliteError(f"the draft {draft} does not share the target's tokenizer: a draft must use the same "
+                            "vocabulary as the model it drafts for (the same family, or --draft self-int4)")
