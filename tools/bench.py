@@ -247,10 +247,13 @@ def main() -> None:
     # (zerolite-cpu-SCHEME), where that contender ran, is its compute bound.
     quantized_bounds = {}
     for scheme, scheme_layout in quantized.items():
-        in_ram = results.get(f"zerolite-cpu-{scheme}", {})
-        quantized_bounds[scheme] = bounds(quantized_passes[scheme], None, reference if "error" in in_ram else in_ram or reference,
-                                          scheme_layout.manifest.nbytes(scheme_layout.manifest.layer_names))
-        quantized_bounds[scheme]["compute_of"] = REFERENCE if "error" in in_ram or not in_ram else f"zerolite-cpu-{scheme}"
+        in_ram = f"zerolite-cpu-{scheme}"
+        compute_of = in_ram if "error" not in results.get(in_ram, {"error": "not run"}) else REFERENCE
+        quantized_bounds[scheme] = {
+            **bounds(quantized_passes[scheme], None, results[in_ram] if compute_of == in_ram else reference,
+                     scheme_layout.manifest.nbytes(scheme_layout.manifest.layer_names)),
+            "compute_of": compute_of,
+        }
     report(console, results, args, bound, manifest.data_bytes, quantized_bounds)
     if args.json:
         Path(args.json).write_text(json.dumps({"layer_bytes": streamed, "memory_limit_bytes": args.memory_limit,

@@ -225,7 +225,7 @@ def load(
     if draft is not None:
         try:
             draft_folder = draft_layout(str(draft), layout, draft_group_size, show_progress)
-            check_same_vocabulary(layout_folder, draft_folder)
+            check_same_vocabulary(tokenizer, executor.model.config, draft_folder)
             draft_lm = load(draft_folder, offload="none", device=target, show_progress=show_progress)
         except BaseException:
             executor.close()

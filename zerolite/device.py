@@ -216,8 +216,6 @@ CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the c
 def registered_host_memory(nbytes: int) -> torch.Tensor:
     """nbytes of anonymous memory (huge pages where the kernel gives them: zerolite.io.host_mapping),
     page-locked for the GPU."""
-    # Private, not the default shared mapping: shmem-backed pages are shared with forked children
-    # and get no transparent huge pages.
     array, mapping = host_mapping(host_bytes(nbytes))
     address = ctypes.addressof(array)
     cudart = torch.cuda.cudart()

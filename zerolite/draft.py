@@ -2,7 +2,7 @@
 whose guesses the target checks several at a time, in one pass over its weights.
 
     folder = draft_layout("self-int4", target_layout, group_size=None, show_progress=True)
-    check_same_vocabulary(target_layout.folder, folder)
+    check_same_vocabulary(target_tokenizer, target_config, folder)
 
 --draft PATH names a layout or checkpoint that shares the target's tokenizer. --draft self-int4 or
 self-int8 is the target's own weights quantized: converted once from the source the target was
@@ -36,7 +36,7 @@ def draft_layout(spec: str, target: Layout, group_size: int | None, show_progres
     weights = SELF_DRAFTS[spec]
     if weights == "int8" and group_size is not None:
         raise ZeroliteError("--draft-group-size is for self-int4 drafts: int8 has one scale per output channel")
-    group_size = group_size or DEFAULT_GROUP_SIZE if weights == "int4" else None
+    group_size = (group_size or DEFAULT_GROUP_SIZE) if weights == "int4" else None
     own = target.manifest.quantization or {}
     if own.get("weights") == weights and own.get("group_size") == group_size:
         raise ZeroliteError(f"the target layout is {spec.removeprefix('self-')} already, so --draft {spec} would be "
@@ -49,19 +49,19 @@ def draft_layout(spec: str, target: Layout, group_size: int | None, show_progres
     return folder
 
 
-def check_same_vocabulary(target: Path, draft: Path) -> None:
-    """A draft must speak the target's tokens: the same tokenizer vocabulary, or, where the layouts
-    carry no tokenizer, the same vocabulary size."""
+def check_same_vocabulary(tokenizer, config, draft: Path) -> None:
+    """A draft must speak the target's tokens (tokenizer and config: the target's, as loaded): the
+    same tokenizer vocabulary, or, where the layouts carry no tokenizer, the same vocabulary size."""
     from transformers import AutoConfig
 
     from zerolite.api import load_tokenizer
 
-    mine, theirs = load_tokenizer(target), load_tokenizer(draft)
-    if mine is not None and theirs is not None:
-        same = mine.get_vocab() == theirs.get_vocab()
+    theirs = load_tokenizer(draft)
+    if tokenizer is not None and theirs is not None:
+        same = tokenizer.get_vocab() == theirs.get_vocab()
     else:
-        sizes = [AutoConfig.from_pretrained(folder).get_text_config().vocab_size for folder in (target, draft)]
-        same = mine is None and theirs is None and sizes[0] == sizes[1]
+        same = (tokenizer is None and theirs is None and config.get_text_config().vocab_size
+                == AutoConfig.from_pretrained(draft).get_text_config().vocab_size)
     if not same:
         raise ZeroliteError(f"the draft {draft} does not share the target's tokenizer: a draft must use the same "
                             "vocabulary as the model it drafts for (the same family, or --draft self-int4)")

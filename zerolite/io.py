@@ -57,6 +57,8 @@ def host_mapping(nbytes: int) -> tuple[ctypes.Array, mmap.mmap]:
     same process, same blocks. Where the kernel gives no huge pages the memory works as before.
     """
     rounded = align_up(nbytes, HUGE_PAGE)
+    # Private, not the default shared mapping: shmem-backed pages are shared with forked children
+    # and get no transparent huge pages.
     mapping = mmap.mmap(-1, rounded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     skip = -start % HUGE_PAGE
