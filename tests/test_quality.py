@@ -96,7 +96,6 @@ def test_the_tool_runs_end_to_end_and_agrees_with_transformers(make_source, tmp_
     assert list(rows) == ["base", "int8", "int4-g32", "int4-g64", "transformers (reference)"]
     assert rows["base"]["layer_bytes"] > 0 and rows["base"]["change_pct"] == 0
     assert rows["transformers (reference)"]["perplexity"] == pytest.approx(rows["base"]["perplexity"], rel=1e-5)
-    for name in ("int8", "int4-g32"):
-        assert math.isfinite(rows[name]["perplexity"])
-    # The tiny model's MLP is 160 wide: 64 does not divide it, and the reason is shown, not a figure.
-    assert not rows["int4-g64"]["available"] and "does not divide the 160 input features" in done.stdout
+    # int4-g64: the tiny model's MLP is 160 wide, so its last group is partial
+    for name in ("int8", "int4-g32", "int4-g64"):
+        assert rows[name]["available"] and math.isfinite(rows[name]["perplexity"])

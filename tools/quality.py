@@ -7,9 +7,9 @@ dtype (the base) and each scheme of --weights.
 
 Each variant is a layout converted from MODEL (default: the built-in GGUF) into ROOT/VARIANT-DTYPE
 (ROOT defaults to zerolite's cache dir/quality) and reused on later runs: the base with no weights
-argument, int8 with weights="int8", int4-gNN with weights="int4", group_size=NN. A variant that
-convert refuses for this model (an int4 group size that does not divide a layer's width: SmolLM2's
-576 is not a multiple of 128) is reported with convert's reason, never run some other way. Each layout
+argument, int8 with weights="int8", int4-gNN with weights="int4", group_size=NN (SmolLM2's 576
+columns at group 128 end in a partial group, which convert pads). A variant that convert refuses
+for this model is reported with convert's reason, never run some other way. Each layout
 is loaded with offload="cpu" on the CPU and scored by the model's own forward.
 
 The text fits SmolLM2's 8192 positions in one window; a model with fewer positions is scored in

@@ -15,7 +15,10 @@ scheme (zerolite.quantized_linear) runs them all.
 - int4: asymmetric per group of input columns, weight = (q - 8) * scale + zero with q in [0, 15],
   the form torch's CPU int4 kernel computes. P.weight holds the nibbles in that kernel's packed
   order (zerolite.int4_packing, recorded in the manifest); the companion P.weight_scale_zero is
-  [in / group, out, 2], the kernel's scales-and-zeros tensor. A group whose values already sit on a
+  [groups, out, 2], the kernel's scales-and-zeros tensor. A width that is no multiple of the group
+  (SmolLM2's 576 at group 128) ends in a partial group: it is stored padded to a whole one, its
+  scale and zero taken from its real columns alone, and the module pads its input with zeros, so the
+  padding adds exactly nothing. A group whose values already sit on a
   grid of 16 evenly spaced levels (a GGUF Q4_0 or Q4_1 source at group 32) keeps that grid, so its
   values come back as they were instead of being rounded a second time.
 """
@@ -90,16 +93,11 @@ class WeightScheme:
         return SCALE_SUFFIX if self.name == "int8" else SCALE_ZERO_SUFFIX
 
     def check(self, targets: dict[str, LinearShape]) -> None:
-        """One clear error for the first layer whose widths the scheme cannot store."""
+        """One clear error for the first layer whose widths the scheme cannot store (any input
+        width can: a partial last group is padded)."""
         if self.name != "int4":
             return
         for path, shape in targets.items():
-            if shape.in_features % self.group_size:
-                fitting = [str(size) for size in GROUP_SIZES
-                           if all(other.in_features % size == 0 for other in targets.values())]
-                fix = f"choose --group-size {' or '.join(fitting)}" if fitting else "use --weights int8"
-                raise ZeroliteError(f"--group-size {self.group_size} does not divide the {shape.in_features} "
-                                    f"input features of {path}: {fix}")
             if shape.out_features % ROW_MULTIPLE:
                 raise ZeroliteError(f"int4 needs output widths that are multiples of {ROW_MULTIPLE}, and {path} has "
                                     f"{shape.out_features}: use --weights int8")
@@ -117,7 +115,8 @@ class WeightScheme:
         out, inp = shape.out_features, shape.in_features
         if self.name == "int8":
             return {"": ((out, inp), torch.int8), SCALE_SUFFIX: ((out,), dtype)}
-        return {"": ((out, inp // 2), torch.uint8), SCALE_ZERO_SUFFIX: ((inp // self.group_size, out, 2), dtype)}
+        padded = whole_groups(inp, self.group_size)
+        return {"": ((out, padded // 2), torch.uint8), SCALE_ZERO_SUFFIX: ((padded // self.group_size, out, 2), dtype)}
 
     def quantize_block(self, tensors: dict[str, torch.Tensor], targets: dict[str, LinearShape]) -> dict[str, torch.Tensor]:
         """The block's tensors with each target module's weight quantized (others unchanged)."""
@@ -153,11 +152,20 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.to(weight.dtype)
 
 
+def whole_groups(in_features: int, group_size: int) -> int:
+    """The stored width of an int4 weight: in_features rounded up to whole groups."""
+    return -(-in_features // group_size) * group_size
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale_zero): q uint8 [out, in] in 0..15 and scale_zero [in / group, out, 2] in weight's
-    dtype, with weight ~ (q - 8) * scale + zero per group: rounding to nearest, in fp32."""
+    """(q, scale_zero): q uint8 [out, padded in] in 0..15 and scale_zero [groups, out, 2] in
+    weight's dtype, with weight ~ (q - 8) * scale + zero per group: rounding to nearest, in fp32.
+    A partial last group is filled with copies of its last column, which leave its lowest and
+    highest values, and the grid its values lie on, as they were."""
     out_features, in_features = weight.shape
-    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    padding = whole_groups(in_features, group_size) - in_features
+    weight = torch.cat([weight, weight[:, -1:].expand(-1, padding)], dim=1) if padding else weight
+    groups = weight.float().reshape(out_features, -1, group_size)
     low = groups.amin(dim=-1, keepdim=True)
     spread = groups.amax(dim=-1, keepdim=True) - low
     scale = spread / grid_steps(groups, low, spread)
@@ -165,7 +173,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     q = torch.round((groups - low) / scale).clamp_(0, LEVELS).to(torch.uint8)
     zero = low + 8 * scale
     scale_zero = torch.stack([scale, zero], dim=-1).reshape(out_features, -1, 2).transpose(0, 1)
-    return q.reshape(out_features, in_features), scale_zero.to(weight.dtype).contiguous()
+    return q.reshape(out_features, -1), scale_zero.to(weight.dtype).contiguous()
 
 
 def grid_steps(groups: torch.Tensor, low: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
@@ -194,9 +202,15 @@ def quantizable_linears(model: nn.Module, layers_path: str) -> dict[str, LinearS
     layers = model.get_submodule(layers_path)
     found = {}
     for path, module in layers.named_modules():
-        full = f"{layers_path}.{path}"
-        if isinstance(module, nn.Linear):
-            found[full] = LinearShape(module.out_features, module.in_features, transposed=False)
-        elif isinstance(module, Conv1D):
-            found[full] = LinearShape(module.nf, module.weight.shape[0], transposed=True)
+        if (shape := linear_shape(module)) is not None:
+            found[f"{layers_path}.{path}"] = shape
     return found
+
+
+def linear_shape(module: nn.Module) -> LinearShape | None:
+    """A Linear's or Conv1D's widths; None for any other module."""
+    if isinstance(module, nn.Linear):
+        return LinearShape(module.out_features, module.in_features, transposed=False)
+    if isinstance(module, Conv1D):
+        return LinearShape(module.nf, module.weight.shape[0], transposed=True)
+    return None

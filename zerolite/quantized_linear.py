@@ -23,7 +23,7 @@ from zerolite.device import Device
 from zerolite.errors import ZeroliteError
 from zerolite.int4_packing import Int4Packing, cpu_packing, unpack_int4
 from zerolite.manifest import DTYPES, Manifest
-from zerolite.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme
+from zerolite.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme, linear_shape, whole_groups
 
 # From these many rows dequantise-then-matmul beats the kernel, on the CPUs measured. int8: one
 # 5632 x 2048 matrix took 0.6 ms (1 row), 5.5 ms (16) and 21.8 ms (128) in the kernel against
@@ -78,14 +78,18 @@ class Int4Linear(QuantizedLinear):
         super().__init__(out_features, in_features, bias, dequantize)
         self.group_size = scheme.group_size
         self.packing = scheme.packing
-        self.register_buffer("weight", torch.empty((out_features, in_features // 2), dtype=torch.uint8, device="meta"))
+        self.stored_in = whole_groups(in_features, self.group_size)  # a partial last group is stored padded
+        self.register_buffer("weight", torch.empty((out_features, self.stored_in // 2), dtype=torch.uint8, device="meta"))
         self.register_buffer("weight" + SCALE_ZERO_SUFFIX, torch.empty(
-            (in_features // self.group_size, out_features, 2), dtype=scale_dtype, device="meta"))
+            (self.stored_in // self.group_size, out_features, 2), dtype=scale_dtype, device="meta"))
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
         if self.dequantize or rows.dtype != torch.bfloat16 or rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
-            return F.linear(rows, dequantize_int4(self.weight, scale_zero, self.group_size, self.packing, rows.dtype))
+            weight = dequantize_int4(self.weight, scale_zero, self.group_size, self.packing, rows.dtype)
+            return F.linear(rows, weight[:, : self.in_features])
+        # Zeros against the padding columns: whatever those hold, they add nothing.
+        rows = F.pad(rows, (0, self.stored_in - self.in_features)) if self.stored_in > self.in_features else rows
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, scale_zero.to(rows.dtype))
 
     def extra_repr(self) -> str:
@@ -111,8 +115,7 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
     if scheme.name == "int4" and not device.separate_memory and scale_dtype == torch.bfloat16:
         check_packing(scheme)
     for block in manifest.blocks:
-        shapes = {t.name: t.shape for t in block.tensors}
-        for name in shapes:
+        for name in (t.name for t in block.tensors):
             if not name.endswith(".weight" + scheme.companion):
                 continue
             path = name.removesuffix(".weight" + scheme.companion)
@@ -120,11 +123,11 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
             parent = model.get_submodule(parent_path)
             original = getattr(parent, leaf)
             bias = getattr(original, "bias", None)
-            out_features = shapes[path + ".weight"][0]
+            shape = linear_shape(original)
             if scheme.name == "int8":
-                module = Int8Linear(out_features, shapes[path + ".weight"][1], scale_dtype, bias, device.separate_memory)
+                module = Int8Linear(shape.out_features, shape.in_features, scale_dtype, bias, device.separate_memory)
             else:
-                module = Int4Linear(out_features, shapes[path + ".weight"][1] * 2, scheme, scale_dtype, bias,
+                module = Int4Linear(shape.out_features, shape.in_features, scheme, scale_dtype, bias,
                                     device.separate_memory)
             setattr(parent, leaf, module)
 
