@@ -1,16 +1,21 @@
 """Speculative decoding: a resident draft proposes, the streamed target checks several tokens in
-one pass over its weights, and greedy output stays the target's own, token for token."""
+one pass over its weights; greedy output stays the target's own, token for token, and sampled
+output keeps the target's distribution."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 
 import pytest
 import torch
 
 import zerolite
-from cli_runner import run
+import zerolite.draft
+from cli_runner import assert_one_line_error, run
 from zerolite.errors import ZeroliteError
+from zerolite.speculative import LONGEST_DRAFT, DraftLength, judge
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 PROMPT = torch.tensor([[5, 17, 33, 9, 44, 61, 70]])
@@ -34,8 +39,18 @@ def plain_and_drafted(layout, draft, draft_group_size=None, **setup):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_self_int4_draft_leaves_greedy_output_as_it_was(arch, make_layout):
     layout = make_layout(arch, layers=4, fresh=True)  # the draft is converted beside it
-    # The tiny models' MLP is 160 wide: groups of 32 divide it.
-    plain, drafted, _, _ = plain_and_drafted(layout, "self-int4", 32, device="cpu", offload="nvme", cpu_memory=0)
+    # group 64: the tiny models' 160-wide MLP ends in a partial group
+    plain, drafted, _, _ = plain_and_drafted(layout, "self-int4", 64, device="cpu", offload="nvme", cpu_memory=0)
+    assert torch.equal(plain, drafted)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_another_model_drafting_with_kv_offload_leaves_greedy_output_as_it_was(arch, make_layout):
+    """Another model's guesses are often wrong: rejected tokens are rolled back from the K/V cache,
+    half of whose layers live in host memory, and the output is the model's own."""
+    layout, other = make_layout(arch, layers=4), make_layout(arch, layers=2, seed=1)
+    plain, drafted, _, _ = plain_and_drafted(layout, str(other), device="cpu", offload="nvme", cpu_memory=0,
+                                             kv_offload=0.5)
     assert torch.equal(plain, drafted)
 
 
@@ -51,12 +66,100 @@ def test_a_draft_that_guesses_right_saves_passes_over_the_weights(make_layout):
 
 
 @pytest.mark.cuda
-def test_a_draft_on_a_gpu_with_kv_offload_leaves_greedy_output_as_it_was(make_layout, gpu):
+@pytest.mark.parametrize("arch", ["llama", "bloom"])
+def test_a_draft_on_a_gpu_with_kv_offload_leaves_greedy_output_as_it_was(arch, make_layout, gpu):
     """Rejected tokens are rolled back from the K/V cache, its host layers included."""
-    layout = make_layout("llama", layers=4, fresh=True)
-    plain, drafted, _, _ = plain_and_drafted(layout, "self-int8", device=gpu, offload="nvme", cpu_memory=0,
+    layout, other = make_layout(arch, layers=4), make_layout(arch, layers=2, seed=1)
+    plain, drafted, _, _ = plain_and_drafted(layout, str(other), device=gpu, offload="nvme", cpu_memory=0,
                                              gpu_memory=0, kv_offload=0.5)
     assert torch.equal(plain, drafted)
+
+
+SAMPLES = 600
+TOP_K = 4
+
+
+def test_speculative_sampling_keeps_the_models_distribution(make_layout):
+    """Another model drafts (its guesses are often rejected). The first two sampled tokens, with
+    top-k 4, fall on at most 16 pairs whose probabilities the model gives exactly; the second
+    token comes out of a round of one guess and the rejection rule. Their counts over SAMPLES
+    runs against those probabilities: Pearson's chi-square, at the 0.001 level (fixed seeds). This
+    checks the wiring (the processors applied alike to the model's and the draft's scores, the
+    positions, the caches); the rule's own arithmetic is held far tighter by the test below."""
+    layout, other = make_layout("llama", layers=4), make_layout("llama", layers=2, seed=1)
+    prompt = PROMPT[:, :4]
+    with zerolite.load(layout, draft=str(other), device="cpu", offload="cpu", show_progress=False) as lm:
+        exact = pair_probabilities(lm.model, prompt)
+        torch.manual_seed(0)
+        counts = Counter()
+        for _ in range(SAMPLES):
+            out = lm.generate(input_ids=prompt, max_new_tokens=3, min_new_tokens=3, do_sample=True, top_k=TOP_K,
+                              top_p=1.0, temperature=1.0, pad_token_id=0)
+            counts[tuple(out[0, 4:6].tolist())] += 1
+        spec = lm.speculator.stats
+    assert 0 < spec.accepted < spec.drafted, spec  # both of the rule's branches ran
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts[pair] - SAMPLES * p) ** 2 / (SAMPLES * p) for pair, p in exact.items())
+    assert chi2 < chi2_critical(len(exact) - 1), (chi2, counts, exact)
+
+
+def pair_probabilities(model, prompt) -> dict[tuple[int, int], float]:
+    """P(t1, t2) under top-k sampling from the model itself."""
+    def top_k(logits):
+        kept = logits.topk(TOP_K).indices
+        return {int(t): float(p) for t, p in zip(kept, logits[kept].softmax(-1))}
+
+    with torch.no_grad():
+        first = top_k(model(input_ids=prompt).logits[0, -1])
+        return {(t1, t2): p1 * p2 for t1, p1 in first.items()
+                for t2, p2 in top_k(model(input_ids=torch.cat([prompt, torch.tensor([[t1]])], 1)).logits[0, -1]).items()}
+
+
+def chi2_critical(freedom: int) -> float:
+    """The chi-square value exceeded with probability 0.001 (Wilson-Hilferty approximation)."""
+    z = 3.0902
+    return freedom * (1 - 2 / (9 * freedom) + z * math.sqrt(2 / (9 * freedom))) ** 3
+
+
+def test_the_rejection_rule_leaves_each_token_distributed_as_the_model_says():
+    """judge() alone, on fixed distributions: the first token kept follows p, whatever q drafted it."""
+    generator = torch.Generator().manual_seed(3)
+    p = torch.tensor([[[0.5, 0.3, 0.1, 0.1, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]]])
+    q = [torch.tensor([[0.1, 0.1, 0.4, 0.2, 0.2]])]
+    torch.manual_seed(4)
+    firsts = Counter()
+    trials = 20000
+    for _ in range(trials):
+        guess = torch.multinomial(q[0][0], 1, generator=generator)[None]
+        _, tokens = judge(guess, p, q, sample=True)
+        firsts[int(tokens[0, 0])] += 1
+    observed = torch.tensor([firsts[t] / trials for t in range(5)])
+    assert (observed - p[0, 0]).abs().max() < 0.015, observed
+
+
+def test_greedy_judging_keeps_guesses_up_to_the_first_the_model_disagrees_with():
+    scores = torch.zeros(1, 4, 6)
+    for i, token in enumerate([3, 1, 5, 2]):
+        scores[0, i, token] = 1.0
+    kept, tokens = judge(torch.tensor([[3, 1, 4]]), scores, [], sample=False)
+    assert kept == 2 and tokens.tolist() == [[3, 1, 5]]
+    kept, tokens = judge(torch.tensor([[3, 1, 5]]), scores, [], sample=False)
+    assert kept == 3 and tokens.tolist() == [[3, 1, 5, 2]]
+
+
+def test_the_draft_length_follows_acceptance_and_costs():
+    """Long drafts where guesses are kept and cheap; short ones where they are rejected or dear."""
+    def settled(kept_share: float, draft_step_s: float, target_pass_s: float) -> int:
+        length = DraftLength()
+        for _ in range(60):
+            k = length.choose()
+            kept = round(k * kept_share)
+            length.record(k, kept, k * draft_step_s, target_pass_s)
+        return length.choose()
+
+    assert settled(1.0, 0.001, 0.2) == LONGEST_DRAFT
+    assert settled(0.0, 0.001, 0.2) <= 2
+    assert settled(0.9, 0.1, 0.2) < settled(0.9, 0.005, 0.2)
 
 
 def test_speculation_refuses_a_batch(make_layout):
@@ -90,8 +193,17 @@ def test_generate_with_a_draft_says_how_many_tokens_each_pass_made(capsys, monke
     tokens = [json.loads((tmp_path / f"{name}.jsonl").read_text())["token_ids"] for name in ("plain", "drafted")]
     assert tokens[0] == tokens[1]
     plain, drafted = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("plain", "drafted"))
-    assert plain["tokens_per_pass"] == 1
+    assert plain["tokens_per_pass"] == 1 and "acceptance_rate" not in plain
     assert drafted["tokens_per_pass"] > 2, drafted
+    assert drafted["acceptance_rate"] == 1.0 and drafted["accepted_tokens"] == drafted["draft_tokens"] > 0
+    assert drafted["draft_s"] > 0 and drafted["target_s"] > 0
+
+
+def test_a_draft_larger_than_the_memory_left_is_one_clear_error(capsys, monkeypatch, make_layout):
+    monkeypatch.setattr(zerolite.draft, "memory_left", lambda device: (1000, "host memory"))
+    result = run(capsys, monkeypatch, "generate", "hi", "--model", make_layout(), "--device", "cpu",
+                 "--draft", str(make_layout(layers=2, seed=1)))
+    assert_one_line_error(result, "holds", "more than the 0.00 GB of host memory left", "smaller model")
 
 
 def test_a_draft_with_a_batch_size_is_one_clear_error(capsys, monkeypatch, make_layout):

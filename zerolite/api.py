@@ -8,19 +8,21 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.budget import Budgets
 from zerolite.checkpoint import quiet_transformers
 from zerolite.convert import JOURNAL, choose_dtype, holds_layout
 from zerolite.device import Device
-from zerolite.draft import check_same_vocabulary, draft_layout
+from zerolite.draft import check_draft_fits, check_same_vocabulary, draft_layout
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
 from zerolite.io import IoEngine
@@ -30,6 +32,7 @@ from zerolite.manifest import DTYPES, MANIFEST
 from zerolite.plan import Plan
 from zerolite.policy import Policy, default_layout_path, parse_size
 from zerolite.preflight import preflight
+from zerolite.speculative import Speculator, speculative_decoding
 from zerolite.progress import byte_progress
 from zerolite.timeline import NO_TIMELINE, Timeline
 
@@ -48,7 +51,8 @@ class OffloadedLM:
         self.tokenizer = tokenizer
         self.load_s = load_s
         self.convert_s = convert_s
-        self.draft = draft  # held resident; generate drafts with it (zerolite.draft)
+        self.draft = draft  # held resident; generate drafts with it (zerolite.draft, zerolite.speculative)
+        self.speculator = Speculator(draft.model, executor.timeline) if draft is not None else None
 
     @property
     def device(self) -> Device:
@@ -106,12 +110,14 @@ class OffloadedLM:
             if isinstance(input_ids, torch.Tensor) and input_ids.shape[0] > 1:
                 raise ZeroliteError(f"speculative decoding runs at batch 1, and this batch has {input_ids.shape[0]} "
                                     "prompts: give them one at a time, or leave out --draft to batch them")
-            kwargs.setdefault("assistant_model", self.draft.model)
+            # transformers hands a callable custom_generate its own new keywords only, not the streamer
+            kwargs["custom_generate"] = functools.partial(speculative_decoding, speculator=self.speculator,
+                                                          streamer=kwargs.get("streamer"))
         args = tuple(a.to(self.torch_device) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to(self.torch_device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         config = kwargs.get("generation_config") or self.model.generation_config
         fraction = self.executor.policy.kv_offload
-        offload_kv = fraction > 0 and kwargs.get("past_key_values") is None
+        offload_kv = fraction > 0 and given_cache(kwargs) is None
         if not config.disable_compile or (offload_kv and config.cache_implementation is not None):
             # compiling would capture one forward's weight addresses; and generate refuses a cache
             # passed in beside a configured one
@@ -121,7 +127,7 @@ class OffloadedLM:
                 config.cache_implementation = None
         cache = PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_streams) if offload_kv else None
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs["cache"] = cache
         try:
             return self.model.generate(*args, **kwargs)
         except BaseException:
@@ -159,13 +165,18 @@ def check_token_ids(config, input_ids) -> None:
         raise ZeroliteError(f"input_ids hold token id {bad}, but the model's vocabulary has ids 0 to {vocab - 1}: check the prompt's ids")
 
 
+def given_cache(kwargs: dict):
+    """The cache a caller passed to generate: transformers 5 names it cache (past_key_values before)."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
 def refuse_static_cache(model, kwargs: dict) -> None:
     """zerolite rebinds each layer's weights to a slot's bytes at every forward; a static cache is
     there to capture the forward in CUDA graphs or torch.compile, which would keep the addresses
     of one forward's slots."""
     config = kwargs.get("generation_config") or model.generation_config
     asked = kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)
-    cache = kwargs.get("past_key_values")
+    cache = given_cache(kwargs)
     if asked in ALL_STATIC_CACHE_IMPLEMENTATIONS or (cache is not None and getattr(cache, "is_compileable", False)):
         raise ZeroliteError(
             f"a static cache ({asked or type(cache).__name__}) cannot run with streamed weights: zerolite rebinds "
@@ -214,23 +225,30 @@ def load(
             f"convert into another --path with --dtype {dtype}"
         )
     target = policy.target()
-    plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy, target), target.pinned_cost)
-    for warning in preflight(layout, plan, policy, target):
-        print(f"zerolite: warning: {warning}", file=sys.stderr)
-    loaded = [layout.manifest.block(name) for name in plan.loaded]
-    with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
-        executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE)
     tokenizer = load_tokenizer(layout_folder)
-    draft_lm = None
-    if draft is not None:
-        try:
-            draft_folder = draft_layout(str(draft), layout, draft_group_size, show_progress)
-            check_same_vocabulary(tokenizer, executor.model.config, draft_folder)
-            draft_lm = load(draft_folder, offload="none", device=target, show_progress=show_progress)
-        except BaseException:
-            executor.close()
-            raise
+    # The draft first: it is held whole, and the model's default budgets then see what it left.
+    draft_lm = load_draft(str(draft), draft_group_size, layout, tokenizer, target, show_progress) if draft is not None else None
+    try:
+        plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy, target), target.pinned_cost)
+        for warning in preflight(layout, plan, policy, target):
+            print(f"zerolite: warning: {warning}", file=sys.stderr)
+        loaded = [layout.manifest.block(name) for name in plan.loaded]
+        with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
+            executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE)
+    except BaseException:
+        if draft_lm is not None:
+            draft_lm.close()
+        raise
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm)
+
+
+def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,
+               show_progress: bool) -> OffloadedLM:
+    """The draft of speculative decoding, held whole on the model's device (zerolite.draft)."""
+    folder = draft_layout(spec, target, group_size, show_progress)
+    check_same_vocabulary(tokenizer, AutoConfig.from_pretrained(target.folder), folder)
+    check_draft_fits(Layout.open(folder), device)
+    return load(folder, offload="none", device=device, show_progress=show_progress)
 
 
 def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool) -> Path:

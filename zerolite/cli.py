@@ -123,7 +123,7 @@ def generate(
     cpu_memory: CpuMemory = None,
     kv_offload: KvOffload = 0.0,
     draft: Annotated[str | None, typer.Option(help="Speculative decoding at batch 1: a small model sharing the tokenizer (layout or checkpoint), or self-int4 / self-int8 (the model's own weights quantized), held resident to draft tokens the streamed model checks several at a time.")] = None,
-    draft_group_size: Annotated[int | None, typer.Option("--draft-group-size", help="self-int4: input weights per scale and zero point, as convert's --group-size (default 64).")] = None,
+    draft_group_size: Annotated[int | None, typer.Option("--draft-group-size", help="self-int4: input weights per scale and zero point, as convert's --group-size (default 32: the closer the draft, the more of its guesses are kept).")] = None,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the likeliest tokens holding this much probability (0 < p <= 1).")] = 1.0,
@@ -185,6 +185,11 @@ def generate(
         f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s), {stats.bytes_read / 1e9:.2f} GB read[/dim]",
         soft_wrap=True,
     )
+    if stats.speculation is not None and stats.speculation.drafted:
+        spec = stats.speculation
+        stderr.print(f"[dim]draft: {spec.accepted} of {spec.drafted} guesses kept ({summary['acceptance_rate']:.0%}), "
+                     f"{summary['tokens_per_pass']:.2f} tokens per pass over the weights; {spec.draft_s:.2f} s drafting, "
+                     f"{spec.target_s:.2f} s in the model's passes[/dim]", soft_wrap=True)
 
 
 @app.command()
@@ -206,6 +211,8 @@ def profile(
     plot: Annotated[Path | None, typer.Option(help="Draw the timeline of the last steps into a PNG (needs matplotlib).")] = None,
     disk: Annotated[Path | None, typer.Option(help="Only measure the read bandwidth of this layout, file or folder.")] = None,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights when converting.")] = False,
+    draft: Annotated[str | None, typer.Option(help="As for generate: speculative decoding at batch 1, its guesses on a track of their own.")] = None,
+    draft_group_size: Annotated[int | None, typer.Option("--draft-group-size", help="As for generate.")] = None,
 ) -> None:
     """Show where each step's time goes and what limits it: disk, copies, compute or prefetch."""
     import json
@@ -229,10 +236,14 @@ def profile(
     from zerolite.timeline import Timeline
     from zerolite.trace import plot_timeline, write_trace
 
+    if draft is not None and batch_size != 1:
+        raise ZeroliteError(f"--draft profiles speculative decoding, which runs at batch 1, and --batch-size is {batch_size}: "
+                            "leave out --batch-size, or leave out --draft")
     timeline = Timeline()
     policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
     with zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
-                       prefetch_depth=prefetch_depth, timeline=timeline, show_progress=not as_json, **policy) as lm:
+                       prefetch_depth=prefetch_depth, timeline=timeline, show_progress=not as_json, draft=draft,
+                       draft_group_size=draft_group_size, **policy) as lm:
         if not as_json:
             show_plan(lm, batch_size, prompt_tokens + new_tokens)
         report = profile_run(lm, timeline, batch_size, new_tokens, prompt_tokens)
@@ -301,6 +312,12 @@ def show_report(report) -> None:
         ("overlap (step / max(I/O, compute))", f"{report.overlap:.2f}"),
         ("transfers in flight", f"{report.link_busy:.0%} of the step, {report.in_flight_bytes / 1e6:.0f} MB on average"),
     ]
+    if (spec := report.speculation) is not None:
+        rows += [
+            ("draft: guesses kept", f"{spec['accepted_tokens']} of {spec['draft_tokens']} ({spec['acceptance_rate'] or 0:.0%})"),
+            ("  tokens per pass over the weights", f"{spec['tokens_per_pass'] or 0:.2f}"),
+            ("  time drafting / in the model's passes", f"{spec['draft_s']:.2f} s / {spec['target_s']:.2f} s"),
+        ]
     for row in rows:
         table.add_row(*row)
     out = Console()

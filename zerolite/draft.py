@@ -7,22 +7,27 @@ whose guesses the target checks several at a time, in one pass over its weights.
 --draft PATH names a layout or checkpoint that shares the target's tokenizer. --draft self-int4 or
 self-int8 is the target's own weights quantized: converted once from the source the target was
 converted from, into a layout beside the target's (TARGET-draft-int4-g64), so no second model is
-needed. An int4 self-draft is bf16, the dtype the CPU int4 kernel runs fast in. transformers'
-assisted generation does the drafting, the checking and the cache rollback; greedy output is the
-target's own.
+needed. An int4 self-draft is bf16, the dtype the CPU int4 kernel runs fast in, in groups of 32 by
+default: a draft is read from memory, so the finer groups' scales cost little, while every guess
+the target rejects costs a round. On the built-in model (a Q4_1 GGUF, whose own groups are 32 wide
+and kept exactly) the draft's top token agreed with the target's at 97% of positions at group 32,
+71% at 64 and 66% at 128. zerolite.speculative runs the rounds of guessing and checking.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
+
+from zerolite.budget import reserve
 from zerolite.checkpoint import DTYPE_CHOICES
 from zerolite.convert import convert
+from zerolite.device import Device
 from zerolite.errors import ZeroliteError
 from zerolite.layout import Layout
-from zerolite.quantize import DEFAULT_GROUP_SIZE
-
 SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
+DRAFT_GROUP_SIZE = 32
 
 
 def draft_layout(spec: str, target: Layout, group_size: int | None, show_progress: bool) -> Path:
@@ -36,7 +41,7 @@ def draft_layout(spec: str, target: Layout, group_size: int | None, show_progres
     weights = SELF_DRAFTS[spec]
     if weights == "int8" and group_size is not None:
         raise ZeroliteError("--draft-group-size is for self-int4 drafts: int8 has one scale per output channel")
-    group_size = (group_size or DEFAULT_GROUP_SIZE) if weights == "int4" else None
+    group_size = (group_size or DRAFT_GROUP_SIZE) if weights == "int4" else None
     own = target.manifest.quantization or {}
     if own.get("weights") == weights and own.get("group_size") == group_size:
         raise ZeroliteError(f"the target layout is {spec.removeprefix('self-')} already, so --draft {spec} would be "
@@ -47,6 +52,26 @@ def draft_layout(spec: str, target: Layout, group_size: int | None, show_progres
     convert(target.manifest.source["model"], folder, dtype=dtype, weights=weights, group_size=group_size,
             show_progress=show_progress)
     return folder
+
+
+def check_draft_fits(draft: Layout, device: Device) -> None:
+    """A draft is held whole where the model computes: it must fit the memory left there, less the
+    reserve the model's own run keeps for activations and the K/V cache (zerolite.budget)."""
+    needed = draft.manifest.nbytes(block.name for block in draft.manifest.blocks)
+    left, where = memory_left(device)
+    if needed > left:
+        raise ZeroliteError(f"the draft {draft.folder} holds {needed / 1e9:.2f} GB, more than the {left / 1e9:.2f} GB of "
+                            f"{where} left beside the model's run: draft with a smaller model, or with self-int4 "
+                            "(about a quarter of bf16's bytes)")
+
+
+def memory_left(device: Device) -> tuple[int, str]:
+    """(bytes, where): what a resident draft may take on device, after the run's reserve."""
+    if device.separate_memory:
+        free, total = device.memory()
+        return max(free - reserve(total), 0), f"{device.name} memory"
+    memory = psutil.virtual_memory()
+    return max(memory.available - reserve(memory.total), 0), "host memory"
 
 
 def check_same_vocabulary(tokenizer, config, draft: Path) -> None:

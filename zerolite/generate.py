@@ -22,6 +22,7 @@ from zerolite.batching import largest_batch
 from zerolite.errors import ZeroliteError
 from zerolite.progress import token_progress
 from zerolite.prompts import Completion, Prompt
+from zerolite.speculative import SpeculationStats
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length")
 
@@ -59,6 +60,8 @@ class RunStats:
     bytes_read: int = 0
     peak_rss_bytes: int = 0
     peak_device_bytes: int | None = None
+    speculation: SpeculationStats | None = None   # with a draft: its rounds, guesses and times
+
 
     def to_dict(self) -> dict:
         return {
@@ -73,7 +76,19 @@ class RunStats:
             "bytes_read": self.bytes_read,
             "peak_rss_bytes": self.peak_rss_bytes,
             "peak_device_bytes": self.peak_device_bytes,
+            **(speculation_dict(self.speculation) if self.speculation is not None else {}),
         }
+
+
+def speculation_dict(spec: SpeculationStats) -> dict:
+    return {
+        "draft_tokens": spec.drafted,
+        "accepted_tokens": spec.accepted,
+        # guesses kept / guesses made (a guess after the first miss of a round counts as not kept)
+        "acceptance_rate": round(spec.accepted / spec.drafted, 4) if spec.drafted else None,
+        "draft_s": round(spec.draft_s, 4),
+        "target_s": round(spec.target_s, 4),
+    }
 
 
 class StepClock(BaseStreamer):
@@ -147,6 +162,7 @@ def generate_all(
     config = generation_config(lm, sampling)
     stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
     bytes_before = lm.bytes_read
+    speculation_before = copy.copy(lm.speculator.stats) if lm.speculator is not None else None
     with token_progress("generating", len(running) * sampling.max_new_tokens, enabled=show_progress) as progress:
         for number, rows in enumerate(batches, start=1):
             progress.note(f"batch {number}/{len(batches)}")
@@ -166,6 +182,8 @@ def generate_all(
             stats.new_tokens += sum(len(c.token_ids) for c in completions)
             on_batch(completions)
     stats.bytes_read = lm.bytes_read - bytes_before
+    if speculation_before is not None:
+        stats.speculation = lm.speculator.stats.since(speculation_before)
     stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stats.peak_device_bytes = lm.device.peak_allocated()
     return stats

@@ -15,11 +15,13 @@ and the prefill is set beside decode: its compute per token against a decode ste
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from zerolite.api import OffloadedLM
+from zerolite.generate import speculation_dict
 from zerolite.machine import measure_host_to_device
 from zerolite.manifest import DTYPES
 from zerolite.openmp import threads_may_spin
@@ -64,6 +66,7 @@ class Report:
     bottleneck: str                     # "disk", "copy", "compute" or "prefetch"
     verdict: str
     advice: list[str] = field(default_factory=list)
+    speculation: dict | None = None     # with a draft: guesses kept, tokens per pass, draft and model time
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,6 +82,7 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (batch_size, prompt_tokens), generator=generator)
     timeline.spans.clear()
+    before = copy.copy(lm.speculator.stats) if lm.speculator is not None else None
     lm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     lm.settle()  # the last reads ahead land on the timeline too
@@ -97,7 +101,12 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     else:
         streamed = manifest.nbytes(plan.streamed)
         transfer_gbps = h2d_gbps if lm.device.separate_memory and plan.streamed else None
-    return analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens, prompt_tokens)
+    report = analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens, prompt_tokens)
+    if before is not None:
+        spec = lm.speculator.stats.since(before)
+        report.speculation = {**speculation_dict(spec),
+                              "tokens_per_pass": round((spec.accepted + spec.passes) / spec.passes, 3) if spec.passes else None}
+    return report
 
 
 def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_gbps, transfer_gbps,

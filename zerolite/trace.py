@@ -1,6 +1,6 @@
 """A timeline for people: Chrome trace JSON (Perfetto, chrome://tracing) and a PNG picture.
 
-One track each for steps, reads, the host's waits for reads (on a GPU), copies, compute's waits and compute, in that order, time in milliseconds
+One track each for steps, reads, the host's waits for reads (on a GPU), copies, compute's waits, compute and a draft's guesses, in that order, time in milliseconds
 from the first span.
 """
 
@@ -13,9 +13,9 @@ from zerolite.errors import ZeroliteError
 from zerolite.timeline import TRACKS, Timeline
 
 TRACK_LABELS = {"step": "steps", "read": "reads (disk)", "read wait": "host waits for reads", "copy": "copies (to GPU)",
-                "wait": "compute waits", "compute": "compute"}
+                "wait": "compute waits", "compute": "compute", "draft": "draft (guesses)"}
 COLOURS = {"step": "#9e9e9e", "read": "#1f77b4", "read wait": "#ff7f0e", "copy": "#9467bd", "wait": "#d62728",
-           "compute": "#2ca02c"}
+           "compute": "#2ca02c", "draft": "#e377c2"}
 
 
 def chrome_trace(timeline: Timeline) -> dict:
