@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 import sys
@@ -22,7 +23,7 @@ from zerolite.budget import Budgets
 from zerolite.checkpoint import quiet_transformers
 from zerolite.convert import JOURNAL, choose_dtype, holds_layout
 from zerolite.device import Device
-from zerolite.draft import check_draft_fits, check_same_vocabulary, draft_layout
+from zerolite.draft import SELF_DRAFTS, check_draft_fits, check_same_vocabulary, draft_layout, draft_step_s, quantize_head, ring_depth
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
 from zerolite.io import IoEngine
@@ -45,14 +46,15 @@ class OffloadedLM:
     .device and .load_read_gbps are what the plan printer and the profiler read.
     """
 
-    def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float, draft: OffloadedLM | None = None):
+    def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float, draft: OffloadedLM | None = None,
+                 draft_step_s: float | None = None):
         self.executor = executor
         self.model = executor.model
         self.tokenizer = tokenizer
         self.load_s = load_s
         self.convert_s = convert_s
         self.draft = draft  # held resident; generate drafts with it (zerolite.draft, zerolite.speculative)
-        self.speculator = Speculator(draft.model, executor.timeline) if draft is not None else None
+        self.speculator = Speculator(draft.model, executor.timeline, draft_step_s) if draft is not None else None
 
     @property
     def device(self) -> Device:
@@ -228,6 +230,10 @@ def load(
     tokenizer = load_tokenizer(layout_folder)
     # The draft first: it is held whole, and the model's default budgets then see what it left.
     draft_lm = load_draft(str(draft), draft_group_size, layout, tokenizer, target, show_progress) if draft is not None else None
+    guess_s = None
+    if draft_lm is not None:
+        guess_s = draft_step_s(draft_lm)
+        policy = dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
     try:
         plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy, target), target.pinned_cost)
         for warning in preflight(layout, plan, policy, target):
@@ -239,7 +245,7 @@ def load(
         if draft_lm is not None:
             draft_lm.close()
         raise
-    return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm)
+    return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s)
 
 
 def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,
@@ -248,7 +254,10 @@ def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, dev
     folder = draft_layout(spec, target, group_size, show_progress)
     check_same_vocabulary(tokenizer, AutoConfig.from_pretrained(target.folder), folder)
     check_draft_fits(Layout.open(folder), device)
-    return load(folder, offload="none", device=device, show_progress=show_progress)
+    draft = load(folder, offload="none", device=device, show_progress=show_progress)
+    if spec in SELF_DRAFTS:
+        quantize_head(draft)
+    return draft
 
 
 def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool) -> Path:

@@ -40,6 +40,12 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
         gbps = lm.load_read_gbps
         lines.append(f"bound: reading {streamed / 1e9:.2f} GB per step takes {streamed / (gbps * 1e9):.3f} s at the "
                      f"{gbps:.2f} GB/s loading read; a step takes the longer of that and its compute")
+    if lm.draft is not None:
+        draft = lm.draft.layout.manifest
+        lines.append(f"draft: {lm.draft.layout.folder.name} held on {device} "
+                     f"({draft.nbytes(b.name for b in draft.blocks) / 1e9:.2f} GB), a guess takes "
+                     f"{lm.speculator.length.draft_step_s * 1e3:.1f} ms; the ring holds {lm.policy.prefetch_depth} "
+                     "layers, so that the disk reads on while it guesses")
     return lines
 
 

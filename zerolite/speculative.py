@@ -16,6 +16,7 @@ draft length is chosen from what was measured (DraftLength), each round.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,10 @@ class DraftLength:
     (kept + rejected): a round that kept all its guesses saw no rejection. Recent rounds weigh more.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, draft_step_s: float | None = None) -> None:
         self.kept = ACCEPTANCE_PRIOR
         self.rejected = ACCEPTANCE_PRIOR
-        self.draft_step_s: float | None = None
+        self.draft_step_s = draft_step_s  # as timed at load, until rounds are measured
         self.target_pass_s: float | None = None
 
     @property
@@ -81,10 +82,10 @@ def average(old: float | None, new: float) -> float:
 class Speculator:
     """The draft model, how long its guesses should be, and what speculation has done so far."""
 
-    def __init__(self, draft_model, timeline=NO_TIMELINE):
+    def __init__(self, draft_model, timeline=NO_TIMELINE, draft_step_s: float | None = None):
         self.model = draft_model
         self.timeline = timeline
-        self.length = DraftLength()
+        self.length = DraftLength(draft_step_s)
         self.stats = SpeculationStats()
 
 
@@ -153,12 +154,9 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
 
         started = time.perf_counter()
         guesses, guessed = input_ids, []
-        with timeline.span("draft", f"draft {stats.passes}", tokens=k):
-            for _ in range(k):
-                q = processed(logits_processor, guesses, draft(guesses, 1)[:, 0], sample)
-                guessed.append(q)
-                guesses = torch.cat([guesses, pick(q, sample)], dim=1)
-            guesses = guesses.cpu().to(input_ids.device)  # the draft's work is done (on a GPU, too)
+        if k:
+            with timeline.span("draft", f"draft {stats.passes}", tokens=k):
+                guesses, guessed = guess(draft, logits_processor, input_ids, k, sample)
         drafted = time.perf_counter()
 
         logits = target(guesses, k + 1)
@@ -180,6 +178,32 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     if streamer is not None:
         streamer.end()
     return input_ids
+
+
+def guess(draft: Forwards, logits_processor, input_ids: torch.Tensor, k: int, sample: bool):
+    """(input_ids and k guesses, the k distributions they were drawn from): the draft's round."""
+    guesses, guessed = input_ids, []
+    with one_thread():
+        for _ in range(k):
+            q = processed(logits_processor, guesses, draft(guesses, 1)[:, 0], sample)
+            guessed.append(q)
+            guesses = torch.cat([guesses, pick(q, sample)], dim=1)
+        # on the host: the draft's work is done (on a GPU too), and its time is measured
+        return guesses.cpu().to(input_ids.device), guessed
+
+
+@contextmanager
+def one_thread():
+    """The draft computes on one CPU thread. Its ops are small, and torch's other threads, which
+    sleep between them (zerolite.openmp), cost more to wake than they save: a guess of the built-in
+    model's int4 draft took 44 ms on two threads, 35 ms on one. The other core reads the model's
+    next layers meanwhile."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def processed(logits_processor, prefix: torch.Tensor, logits: torch.Tensor, sample: bool) -> torch.Tensor:
