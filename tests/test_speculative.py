@@ -171,6 +171,13 @@ def test_speculation_refuses_a_batch(make_layout):
             greedy(lm, PROMPT.repeat(2, 1))
 
 
+@pytest.mark.parametrize("asked", [dict(num_beams=2), dict(return_dict_in_generate=True)])
+def test_what_speculation_does_not_do_is_refused(make_layout, asked):
+    with zerolite.load(make_layout(), draft=str(make_layout(layers=2, seed=1)), device="cpu", show_progress=False) as lm:
+        with pytest.raises(ZeroliteError, match="greedily or by sampling"):
+            lm.generate(input_ids=PROMPT, max_new_tokens=4, **asked)
+
+
 def test_a_draft_with_another_vocabulary_is_refused(make_layout):
     other = make_layout("llama", vocab_size=96)
     with pytest.raises(ZeroliteError, match="does not share the target's tokenizer"):

@@ -112,6 +112,11 @@ class OffloadedLM:
             if isinstance(input_ids, torch.Tensor) and input_ids.shape[0] > 1:
                 raise ZeroliteError(f"speculative decoding runs at batch 1, and this batch has {input_ids.shape[0]} "
                                     "prompts: give them one at a time, or leave out --draft to batch them")
+            asked = kwargs.get("generation_config") or self.model.generation_config
+            beams = kwargs.get("num_beams", asked.num_beams) or 1  # transformers 5 leaves unset fields None
+            if beams > 1 or kwargs.get("return_dict_in_generate", asked.return_dict_in_generate):
+                raise ZeroliteError("speculative decoding decodes greedily or by sampling and returns token ids: "
+                                    "leave out num_beams and return_dict_in_generate, or load without a draft")
             # transformers hands a callable custom_generate its own new keywords only, not the streamer
             kwargs["custom_generate"] = functools.partial(speculative_decoding, speculator=self.speculator,
                                                           streamer=kwargs.get("streamer"))

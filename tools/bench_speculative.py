@@ -1,0 +1,184 @@
+"""Speculative decoding against plain streamed decoding of the same model at batch 1: speed-up,
+guesses kept, tokens per pass over the weights, and whether the tokens are the same. Run as root
+(the page cache is dropped before each run).
+
+    python tools/bench_speculative.py [--model LAYOUT] [--drafts self-int4,self-int4:128]
+                                      [--prompts 10] [--new-tokens 64] [--json out.json]
+
+Each variant is `zerolite generate --cpu-memory 0 --batch-size 1` in a fresh process, every layer
+streamed from disk at every step, as a user runs it: first plain, then with each --drafts entry
+(DRAFT or DRAFT:GROUP_SIZE, as --draft and --draft-group-size). With no --model, the built-in
+SmolLM2-135M-Instruct answers --prompts chat questions (--chat); a model without a chat template
+gets random prompts of 16 token ids (seed 0).
+
+Greedy tokens should equal the plain run's. Where a prompt's differ, the model's own logits at the
+first difference are shown: a pass over k + 1 tokens rounds its sums otherwise than k + 1 passes
+over one, so two tokens whose logits lie within that rounding (a top-2 gap below NEAR_TIE) may
+swap places, and greedy decoding goes on from the other one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import zerolite  # first: it sets torch's thread waits before torch loads (zerolite.openmp)
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from zerolite.api import ensure_layout
+from zerolite.generate import encode
+from zerolite.prompts import Prompt
+
+NEAR_TIE = 1e-4
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in simple terms.",
+    "Give me three tips for learning Python.", "What causes rain?", "Summarize the plot of Romeo and Juliet.",
+    "How does a bicycle stay upright?", "What is the difference between a virus and a bacterium?",
+    "Suggest a name for a pet cat.", "Why is the sky blue?", "How do vaccines work?", "What is a black hole?",
+]
+RANDOM_PROMPT_TOKENS = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a layout or checkpoint (default: the built-in model)")
+    parser.add_argument("--drafts", default="self-int4,self-int4:128", help="comma-separated DRAFT or DRAFT:GROUP_SIZE")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+    layout = ensure_layout(args.model, None, None, False, True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
+    prompts_file, chat = write_prompts(layout, args.prompts, scratch / "prompts.jsonl")
+
+    variants = [("plain", None, None)] + [parse_draft(text) for text in args.drafts.split(",")]
+    runs = {}
+    for name, draft, group_size in variants:
+        runs[name] = run(layout, prompts_file, chat, args.new_tokens, draft, group_size, scratch / name)
+    plain = runs["plain"]
+    for name, result in runs.items():
+        result["speed_up"] = round(result["stats"]["decode_tokens_per_s"] / plain["stats"]["decode_tokens_per_s"], 3)
+        result["differences"] = differences(layout, prompts_file, chat, plain["tokens"], result["tokens"])
+    report(Console(width=180), runs, layout, chat)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"model": str(layout), "cpu": cpu_name(), "runs": runs}, indent=2) + "\n")
+
+
+def parse_draft(text: str) -> tuple[str, str, int | None]:
+    draft, _, group = text.partition(":")
+    return text, draft, int(group) if group else None
+
+
+def write_prompts(layout: Path, count: int, path: Path) -> tuple[Path, bool]:
+    """Chat questions where the model has a chat template, else random token ids."""
+    from zerolite.api import load_tokenizer
+
+    tokenizer = load_tokenizer(layout)
+    chat = tokenizer is not None and bool(tokenizer.chat_template)
+    generator = torch.Generator().manual_seed(0)
+    vocab = zerolite_vocab(layout)
+    with path.open("w") as f:
+        for i in range(count):
+            if chat:
+                row = {"id": i, "prompt": QUESTIONS[i % len(QUESTIONS)]}
+            else:
+                row = {"id": i, "input_ids": torch.randint(3, vocab, (RANDOM_PROMPT_TOKENS,), generator=generator).tolist()}
+            f.write(json.dumps(row) + "\n")
+    return path, chat
+
+
+def zerolite_vocab(layout: Path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(layout).get_text_config().vocab_size
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        print("bench_speculative: cannot drop the page cache (not root): reads may come from memory", file=sys.stderr)
+
+
+def run(layout: Path, prompts: Path, chat: bool, new_tokens: int, draft: str | None, group_size: int | None,
+        out: Path) -> dict:
+    out.mkdir()
+    command = [sys.executable, "-m", "zerolite", "generate", "--model", str(layout), "--input", str(prompts),
+               "--output", str(out / "out.jsonl"), "--stats-json", str(out / "stats.json"), "--cpu-memory", "0",
+               "--batch-size", "1", "--max-new-tokens", str(new_tokens)] + (["--chat"] if chat else [])
+    if draft is not None:
+        command += ["--draft", draft] + (["--draft-group-size", str(group_size)] if group_size else [])
+    drop_caches()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"bench_speculative: {' '.join(command)} failed:\n{done.stderr}")
+    rows = [json.loads(line) for line in (out / "out.jsonl").read_text().splitlines()]
+    plan = [line for line in done.stderr.splitlines() if line.startswith("draft: ") and "held on" in line]
+    return {"command": " ".join(command[2:]), "stats": json.loads((out / "stats.json").read_text()),
+            "tokens": {str(row["id"]): row["token_ids"] for row in rows}, "draft_plan": plan[0] if plan else None}
+
+
+def differences(layout: Path, prompts: Path, chat: bool, plain: dict, drafted: dict) -> list[dict]:
+    """For each prompt whose tokens differ: where, and the model's top-2 gap there (its own logits,
+    in one forward over the prompt and the plain run's tokens up to that point)."""
+    differing = [i for i in plain if plain[i] != drafted[i]]
+    if not differing:
+        return []
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    found = []
+    with zerolite.load(layout, offload="cpu", device="cpu", show_progress=False) as lm:
+        encoded = encode(lm, [Prompt(str(r["id"]), r.get("prompt"), r.get("input_ids")) for r in rows], chat)
+        for i in differing:
+            a, b = plain[i], drafted[i]
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            ids = torch.tensor([encoded[int(i)] + a[:at]])
+            with torch.no_grad():
+                logits = lm.model(input_ids=ids).logits[0, -1].float()
+            top = logits.topk(2)
+            found.append({"id": i, "position": at, "plain": a[at] if at < len(a) else None,
+                          "drafted": b[at] if at < len(b) else None, "top2": top.indices.tolist(),
+                          "top2_gap": float(top.values[0] - top.values[1])})
+    return found
+
+
+def report(console: Console, runs: dict, layout: Path, chat: bool) -> None:
+    table = Table(title=f"speculative decoding, {layout.name}: batch 1, every layer streamed from disk ({cpu_name()})")
+    for column in ("variant", "decode tokens/s", "speed-up", "guesses kept", "tokens per pass", "drafting s",
+                   "model passes s", "GB read", "tokens as plain"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for name, result in runs.items():
+        s = result["stats"]
+        same = sum(result["tokens"][i] == runs["plain"]["tokens"][i] for i in result["tokens"])
+        table.add_row(name, f"{s['decode_tokens_per_s']:.2f}", f"{result['speed_up']:.2f}x",
+                      f"{s['acceptance_rate']:.1%}" if s.get("acceptance_rate") is not None else "-",
+                      f"{s['tokens_per_pass']:.2f}", f"{s.get('draft_s', 0):.2f}", f"{s.get('target_s', s['decode_s']):.2f}",
+                      f"{s['bytes_read'] / 1e9:.2f}", f"{same}/{len(result['tokens'])}")
+    console.print(table)
+    for name, result in runs.items():
+        if result["draft_plan"]:
+            console.print(f"{name}: {result['draft_plan']}")
+        for d in result["differences"]:
+            verdict = "a near-tie" if d["top2_gap"] < NEAR_TIE else "NOT a near-tie"
+            console.print(f"{name}: prompt {d['id']} differs at new token {d['position']} ({d['plain']} plain, "
+                          f"{d['drafted']} drafted; the model's top two {d['top2']} are {d['top2_gap']:.2e} apart: {verdict})")
+    if not chat:
+        console.print("random weights: how often a draft's guesses are kept says little about a trained model's")
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()
