@@ -15,6 +15,10 @@ Greedy tokens should equal the plain run's. Where a prompt's differ, the model's
 first difference are shown: a pass over k + 1 tokens rounds its sums otherwise than k + 1 passes
 over one, so two tokens whose logits lie within that rounding (a top-2 gap below NEAR_TIE) may
 swap places, and greedy decoding goes on from the other one.
+
+Beside each draft: how often its top token is the model's on the plain run's tokens (teacher-forced,
+both in one forward), and the ceiling that sets: no draft length gives more than 1 / (1 - a)
+tokens per pass when each guess is kept with probability a, and a pass costs at least a plain step.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from zerolite.api import ensure_layout
+from zerolite.api import ensure_layout, load_draft
 from zerolite.generate import encode
 from zerolite.prompts import Prompt
 
@@ -63,9 +67,16 @@ def main() -> None:
     for name, draft, group_size in variants:
         runs[name] = run(layout, prompts_file, chat, args.new_tokens, draft, group_size, scratch / name)
     plain = runs["plain"]
-    for name, result in runs.items():
-        result["speed_up"] = round(result["stats"]["decode_tokens_per_s"] / plain["stats"]["decode_tokens_per_s"], 3)
-        result["differences"] = differences(layout, prompts_file, chat, plain["tokens"], result["tokens"])
+    with zerolite.load(layout, offload="cpu", device="cpu", show_progress=False) as lm:
+        rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+        encoded = encode(lm, [Prompt(str(r["id"]), r.get("prompt"), r.get("input_ids")) for r in rows], chat)
+        sequences = {i: torch.tensor([encoded[int(i)] + plain["tokens"][i]]) for i in plain["tokens"]}
+        model_logits = {i: logits_of(lm.model, ids) for i, ids in sequences.items()}
+        for (name, draft, group_size), result in zip(variants, runs.values()):
+            result["speed_up"] = round(result["stats"]["decode_tokens_per_s"] / plain["stats"]["decode_tokens_per_s"], 3)
+            result["differences"] = differences(encoded, model_logits, plain["tokens"], result["tokens"])
+            if draft is not None:
+                result["agreement"] = agreement(lm, draft, group_size, encoded, sequences, model_logits)
     report(Console(width=180), runs, layout, chat)
     if args.json is not None:
         args.json.write_text(json.dumps({"model": str(layout), "cpu": cpu_name(), "runs": runs}, indent=2) + "\n")
@@ -126,40 +137,52 @@ def run(layout: Path, prompts: Path, chat: bool, new_tokens: int, draft: str | N
             "tokens": {str(row["id"]): row["token_ids"] for row in rows}, "draft_plan": plan[0] if plan else None}
 
 
-def differences(layout: Path, prompts: Path, chat: bool, plain: dict, drafted: dict) -> list[dict]:
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0].float()
+
+
+def differences(encoded: list[list[int]], model_logits: dict, plain: dict, drafted: dict) -> list[dict]:
     """For each prompt whose tokens differ: where, and the model's top-2 gap there (its own logits,
-    in one forward over the prompt and the plain run's tokens up to that point)."""
-    differing = [i for i in plain if plain[i] != drafted[i]]
-    if not differing:
-        return []
-    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    in one forward over the prompt and the plain run's tokens)."""
     found = []
-    with zerolite.load(layout, offload="cpu", device="cpu", show_progress=False) as lm:
-        encoded = encode(lm, [Prompt(str(r["id"]), r.get("prompt"), r.get("input_ids")) for r in rows], chat)
-        for i in differing:
-            a, b = plain[i], drafted[i]
-            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            ids = torch.tensor([encoded[int(i)] + a[:at]])
-            with torch.no_grad():
-                logits = lm.model(input_ids=ids).logits[0, -1].float()
-            top = logits.topk(2)
-            found.append({"id": i, "position": at, "plain": a[at] if at < len(a) else None,
-                          "drafted": b[at] if at < len(b) else None, "top2": top.indices.tolist(),
-                          "top2_gap": float(top.values[0] - top.values[1])})
+    for i in (i for i in plain if plain[i] != drafted[i]):
+        a, b = plain[i], drafted[i]
+        at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        top = model_logits[i][len(encoded[int(i)]) - 1 + at].topk(2)
+        found.append({"id": i, "position": at, "plain": a[at] if at < len(a) else None,
+                      "drafted": b[at] if at < len(b) else None, "top2": top.indices.tolist(),
+                      "top2_gap": float(top.values[0] - top.values[1])})
     return found
+
+
+def agreement(lm, draft: str, group_size: int | None, encoded: list[list[int]], sequences: dict,
+              model_logits: dict) -> dict:
+    """How often the draft's top token is the model's, on the plain run's tokens (teacher-forced),
+    and what that allows: with each guess kept with probability a, no draft length gives more than
+    1 / (1 - a) tokens per pass over the weights, however cheap the guesses."""
+    same = total = 0
+    with load_draft(draft, group_size, lm.layout, lm.tokenizer, lm.device, False) as draft_lm:
+        for i, ids in sequences.items():
+            new = slice(len(encoded[int(i)]) - 1, ids.shape[1] - 1)  # the positions that predict new tokens
+            guessed = logits_of(draft_lm.model, ids)[new].argmax(-1)
+            same += int((guessed == model_logits[i][new].argmax(-1)).sum())
+            total += guessed.numel()
+    share = same / total
+    return {"top1": round(share, 4), "most_tokens_per_pass": round(1 / (1 - share), 2) if share < 1 else None}
 
 
 def report(console: Console, runs: dict, layout: Path, chat: bool) -> None:
     table = Table(title=f"speculative decoding, {layout.name}: batch 1, every layer streamed from disk ({cpu_name()})")
-    for column in ("variant", "decode tokens/s", "speed-up", "guesses kept", "tokens per pass", "drafting s",
-                   "model passes s", "GB read", "tokens as plain"):
+    for column in ("variant", "decode tokens/s", "speed-up", "guesses kept", "tokens per pass", "top-1 agreement",
+                   "drafting s", "model passes s", "GB read", "tokens as plain"):
         table.add_column(column, justify="left" if column == "variant" else "right")
     for name, result in runs.items():
         s = result["stats"]
         same = sum(result["tokens"][i] == runs["plain"]["tokens"][i] for i in result["tokens"])
         table.add_row(name, f"{s['decode_tokens_per_s']:.2f}", f"{result['speed_up']:.2f}x",
                       f"{s['acceptance_rate']:.1%}" if s.get("acceptance_rate") is not None else "-",
-                      f"{s['tokens_per_pass']:.2f}", f"{s.get('draft_s', 0):.2f}", f"{s.get('target_s', s['decode_s']):.2f}",
+                      f"{s['tokens_per_pass']:.2f}", agreed(result.get("agreement")), f"{s.get('draft_s', 0):.2f}", f"{s.get('target_s', s['decode_s']):.2f}",
                       f"{s['bytes_read'] / 1e9:.2f}", f"{same}/{len(result['tokens'])}")
     console.print(table)
     for name, result in runs.items():
@@ -171,6 +194,13 @@ def report(console: Console, runs: dict, layout: Path, chat: bool) -> None:
                           f"{d['drafted']} drafted; the model's top two {d['top2']} are {d['top2_gap']:.2e} apart: {verdict})")
     if not chat:
         console.print("random weights: how often a draft's guesses are kept says little about a trained model's")
+
+
+def agreed(figures: dict | None) -> str:
+    if figures is None:
+        return "-"
+    most = figures["most_tokens_per_pass"]
+    return f"{figures['top1']:.1%} (at most {most:.2f} per pass)" if most is not None else f"{figures['top1']:.1%}"
 
 
 def cpu_name() -> str:

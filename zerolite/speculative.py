@@ -47,8 +47,10 @@ class DraftLength:
 
     With each guess kept with probability a (until the first one rejected), k guesses give
     (1 - a^(k+1)) / (1 - a) tokens per round (the kept ones and the target's own), and a round
-    costs one target pass and k draft steps: k maximises their ratio. a is estimated as kept /
-    (kept + rejected): a round that kept all its guesses saw no rejection. Recent rounds weigh more.
+    costs one target pass and k draft steps: k maximises their ratio. k = 0, plain decoding, wins
+    where a guess costs more than it saves (then nothing more is learnt of acceptance, and the draft
+    is not used again in that run). a is estimated as kept / (kept + rejected): a round that kept
+    all its guesses saw no rejection. Recent rounds weigh more.
     """
 
     def __init__(self, draft_step_s: float | None = None) -> None:
@@ -64,7 +66,7 @@ class DraftLength:
     def choose(self) -> int:
         if self.draft_step_s is None or self.target_pass_s is None:
             return FIRST_DRAFT
-        return max(range(1, LONGEST_DRAFT + 1),
+        return max(range(0, LONGEST_DRAFT + 1),
                    key=lambda k: expected_tokens(self.acceptance, k) / (self.target_pass_s + k * self.draft_step_s))
 
     def record(self, drafted: int, kept: int, draft_s: float, target_s: float) -> None:
