@@ -149,10 +149,13 @@ def differences(encoded: list[list[int]], model_logits: dict, plain: dict, draft
     for i in (i for i in plain if plain[i] != drafted[i]):
         a, b = plain[i], drafted[i]
         at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        top = model_logits[i][len(encoded[int(i)]) - 1 + at].topk(2)
+        logits = model_logits[i][len(encoded[int(i)]) - 1 + at]
+        top = logits.topk(2)
         found.append({"id": i, "position": at, "plain": a[at] if at < len(a) else None,
                       "drafted": b[at] if at < len(b) else None, "top2": top.indices.tolist(),
-                      "top2_gap": float(top.values[0] - top.values[1])})
+                      "top2_gap": float(top.values[0] - top.values[1]),
+                      # the two runs' own tokens: both near the top, or one far below it
+                      "choices_gap": float(abs(logits[a[at]] - logits[b[at]])) if at < min(len(a), len(b)) else None})
     return found
 
 
@@ -189,9 +192,10 @@ def report(console: Console, runs: dict, layout: Path, chat: bool) -> None:
         if result["draft_plan"]:
             console.print(f"{name}: {result['draft_plan']}")
         for d in result["differences"]:
-            verdict = "a near-tie" if d["top2_gap"] < NEAR_TIE else "NOT a near-tie"
+            tie = d["top2_gap"] < NEAR_TIE and d["choices_gap"] is not None and d["choices_gap"] < NEAR_TIE
             console.print(f"{name}: prompt {d['id']} differs at new token {d['position']} ({d['plain']} plain, "
-                          f"{d['drafted']} drafted; the model's top two {d['top2']} are {d['top2_gap']:.2e} apart: {verdict})")
+                          f"{d['drafted']} drafted; the model's top two {d['top2']} are {d['top2_gap']:.2e} apart, the "
+                          f"two runs' tokens {d['choices_gap']:.2e}: {'a near-tie' if tie else 'NOT a near-tie'})")
     if not chat:
         console.print("random weights: how often a draft's guesses are kept says little about a trained model's")
 

@@ -23,7 +23,8 @@ from zerolite.budget import Budgets
 from zerolite.checkpoint import quiet_transformers
 from zerolite.convert import JOURNAL, choose_dtype, holds_layout
 from zerolite.device import Device
-from zerolite.draft import SELF_DRAFTS, check_draft_fits, check_same_vocabulary, draft_layout, draft_step_s, quantize_head, ring_depth
+from zerolite.draft import (SELF_DRAFTS, check_draft_fits, check_same_vocabulary, draft_layout, draft_step_s,
+                            quantize_head, ring_depth)
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
 from zerolite.io import IoEngine
@@ -33,8 +34,8 @@ from zerolite.manifest import DTYPES, MANIFEST
 from zerolite.plan import Plan
 from zerolite.policy import Policy, default_layout_path, parse_size
 from zerolite.preflight import preflight
-from zerolite.speculative import Speculator, speculative_decoding
 from zerolite.progress import byte_progress
+from zerolite.speculative import Speculator, speculative_decoding
 from zerolite.timeline import NO_TIMELINE, Timeline
 
 
@@ -236,10 +237,10 @@ def load(
     # The draft first: it is held whole, and the model's default budgets then see what it left.
     draft_lm = load_draft(str(draft), draft_group_size, layout, tokenizer, target, show_progress) if draft is not None else None
     guess_s = None
-    if draft_lm is not None:
-        guess_s = draft_step_s(draft_lm)
-        policy = dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
     try:
+        if draft_lm is not None:
+            guess_s = draft_step_s(draft_lm)
+            policy = dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
         plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy, target), target.pinned_cost)
         for warning in preflight(layout, plan, policy, target):
             print(f"zerolite: warning: {warning}", file=sys.stderr)

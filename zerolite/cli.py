@@ -114,7 +114,7 @@ def generate(
     path: Annotated[Path | None, typer.Option(help="Offload root, such as /nvme, holding one layout per model in a folder of its own, where --model is converted; or a layout to run (default: zerolite's cache).")] = None,
     device: Annotated[str, typer.Option(help="cuda, cpu, or auto (cuda when available).")] = "auto",
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting (default: the config's dtype).")] = None,
-    prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring: 2 reads the next block while one computes.")] = 2,
+    prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring: 2 reads the next block while one computes (a --draft deepens it, so that the disk reads on while the draft guesses).")] = 2,
     input_file: Annotated[Path | None, typer.Option("--input", help='JSONL prompts: {"id", "prompt"} or {"id", "input_ids"} per line.')] = None,
     output: Annotated[Path | None, typer.Option(help='JSONL completions: {"id", "prompt", "completion", "token_ids", "finish_reason"} per line.')] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt, at most.")] = 64,
