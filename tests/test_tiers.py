@@ -138,7 +138,7 @@ def test_kv_offload_keeps_the_chosen_layers_in_growing_host_buffers(layout):
         assert cache.offloaded == [1, 3, 5, 7]
         ids = torch.tensor([[5, 17, 33, 9]])
         lm.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
-                    past_key_values=cache)
+                    cache=cache)
     for i in cache.offloaded:
         layer = cache.layers[i]
         assert isinstance(layer, HostLayer) and layer.keys.device.type == "cpu"
@@ -164,7 +164,7 @@ def test_kv_offload_survives_beam_search_reordering(layout):
     with zerolite.load(layout, offload="none", device="cpu", show_progress=False) as lm:
         beams = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
         expected = lm.generate(input_ids=ids, **beams)
-        got = lm.generate(input_ids=ids, past_key_values=PartialOffloadCache(lm.config, 0.5, lm.device), **beams)
+        got = lm.generate(input_ids=ids, cache=PartialOffloadCache(lm.config, 0.5, lm.device), **beams)
     assert torch.equal(expected, got)
 
 
