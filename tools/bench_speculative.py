@@ -13,8 +13,10 @@ gets random prompts of 16 token ids (seed 0).
 
 Greedy tokens should equal the plain run's. Where a prompt's differ, the model's own logits at the
 first difference are shown: a pass over k + 1 tokens rounds its sums otherwise than k + 1 passes
-over one, so two tokens whose logits lie within that rounding (a top-2 gap below NEAR_TIE) may
-swap places, and greedy decoding goes on from the other one.
+over one, so two tokens whose logits lie within that rounding may swap places, and greedy decoding
+goes on from the other one. Within that rounding: the model's top two, and the two runs' tokens,
+no further apart than NEAR_TIE or one step of the logits' dtype at their size (bf16 logits near 3
+lie 2^-6 = 0.0156 apart, or are equal).
 
 Beside each draft: how often its top token is the model's on the plain run's tokens (teacher-forced,
 both in one forward), and the ceiling that sets: no draft length gives more than 1 / (1 - a)
@@ -74,7 +76,7 @@ def main() -> None:
         model_logits = {i: logits_of(lm.model, ids) for i, ids in sequences.items()}
         for (name, draft, group_size), result in zip(variants, runs.values()):
             result["speed_up"] = round(result["stats"]["decode_tokens_per_s"] / plain["stats"]["decode_tokens_per_s"], 3)
-            result["differences"] = differences(encoded, model_logits, plain["tokens"], result["tokens"])
+            result["differences"] = differences(encoded, model_logits, plain["tokens"], result["tokens"], lm.model.dtype)
             if draft is not None:
                 result["agreement"] = agreement(lm, draft, group_size, encoded, sequences, model_logits)
     report(Console(width=180), runs, layout, chat)
@@ -142,7 +144,7 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits[0].float()
 
 
-def differences(encoded: list[list[int]], model_logits: dict, plain: dict, drafted: dict) -> list[dict]:
+def differences(encoded: list[list[int]], model_logits: dict, plain: dict, drafted: dict, dtype: torch.dtype) -> list[dict]:
     """For each prompt whose tokens differ: where, and the model's top-2 gap there (its own logits,
     in one forward over the prompt and the plain run's tokens)."""
     found = []
@@ -155,7 +157,8 @@ def differences(encoded: list[list[int]], model_logits: dict, plain: dict, draft
                       "drafted": b[at] if at < len(b) else None, "top2": top.indices.tolist(),
                       "top2_gap": float(top.values[0] - top.values[1]),
                       # the two runs' own tokens: both near the top, or one far below it
-                      "choices_gap": float(abs(logits[a[at]] - logits[b[at]])) if at < min(len(a), len(b)) else None})
+                      "choices_gap": float(abs(logits[a[at]] - logits[b[at]])) if at < min(len(a), len(b)) else None,
+                      "rounding": max(NEAR_TIE, torch.finfo(dtype).eps * float(top.values[0].abs()))})
     return found
 
 
@@ -192,10 +195,11 @@ def report(console: Console, runs: dict, layout: Path, chat: bool) -> None:
         if result["draft_plan"]:
             console.print(f"{name}: {result['draft_plan']}")
         for d in result["differences"]:
-            tie = d["top2_gap"] < NEAR_TIE and d["choices_gap"] is not None and d["choices_gap"] < NEAR_TIE
+            tie = d["top2_gap"] <= d["rounding"] and d["choices_gap"] is not None and d["choices_gap"] <= d["rounding"]
             console.print(f"{name}: prompt {d['id']} differs at new token {d['position']} ({d['plain']} plain, "
                           f"{d['drafted']} drafted; the model's top two {d['top2']} are {d['top2_gap']:.2e} apart, the "
-                          f"two runs' tokens {d['choices_gap']:.2e}: {'a near-tie' if tie else 'NOT a near-tie'})")
+                          f"two runs' tokens {d['choices_gap']:.2e}, the logits' rounding {d['rounding']:.2e}: "
+                          f"{'a near-tie' if tie else 'NOT a near-tie'})")
     if not chat:
         console.print("random weights: how often a draft's guesses are kept says little about a trained model's")
 
