@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from zerolite.layout import Layout
 from zerolite.speculative import LONGEST_DRAFT, DraftLength, judge
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
+TOOLS = Path(__file__).parent.parent / "tools"
 PROMPT = torch.tensor([[5, 17, 33, 9, 44, 61, 70]])
 NEW_TOKENS = 16
 
@@ -250,3 +254,20 @@ def test_a_draft_deepens_the_ring_to_read_on_while_it_guesses_but_never_holds_ev
         assert lm.bytes_read >= lm.speculator.stats.passes * per_pass
     with zerolite.load(layout, draft=str(copy), device="cpu", offload="cpu", show_progress=False) as lm:
         assert lm.policy.prefetch_depth == 2  # nothing streams from disk: the ring stays as asked
+
+
+def test_the_benchmark_runs_end_to_end_and_finds_the_tokens_unchanged(make_layout, tmp_path):
+    """tools/bench_speculative.py on a tiny layout (no tokenizer: random prompts), plain and with
+    another model drafting, each run a zerolite process of its own."""
+    layout, other = make_layout("llama", layers=4), make_layout("llama", layers=2, seed=1)
+    figures = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, str(TOOLS / "bench_speculative.py"), "--model", str(layout), "--prompts", "2",
+                           "--new-tokens", "8", "--drafts", str(other), "--json", str(figures)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    runs = json.loads(figures.read_text())["runs"]
+    assert list(runs) == ["plain", str(other)]
+    drafted = runs[str(other)]
+    assert drafted["tokens"] == runs["plain"]["tokens"] and drafted["differences"] == []
+    assert 0 <= drafted["agreement"]["top1"] <= 1 and drafted["stats"]["draft_tokens"] > 0
+    assert "speculative decoding" in done.stdout

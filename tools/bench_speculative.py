@@ -66,8 +66,8 @@ def main() -> None:
 
     variants = [("plain", None, None)] + [parse_draft(text) for text in args.drafts.split(",")]
     runs = {}
-    for name, draft, group_size in variants:
-        runs[name] = run(layout, prompts_file, chat, args.new_tokens, draft, group_size, scratch / name)
+    for number, (name, draft, group_size) in enumerate(variants):  # a name may be a path: folders by number
+        runs[name] = run(layout, prompts_file, chat, args.new_tokens, draft, group_size, scratch / f"run{number}")
     plain = runs["plain"]
     with zerolite.load(layout, offload="cpu", device="cpu", show_progress=False) as lm:
         rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
