@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import zerolite
-from tiny_models import VOCAB
+from tiny_models import VOCAB, save_ascii_tokenizer
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
@@ -72,16 +72,6 @@ def test_one_window_is_cross_entropy_over_the_shifted_logits(make_source):
     logits = model(input_ids=ids[None]).logits[0]
     expected = math.exp(F.cross_entropy(logits[:-1], ids[1:]).item())
     assert perplexity(model, ids).perplexity == pytest.approx(expected, rel=1e-5)
-
-
-def save_ascii_tokenizer(folder: Path) -> None:
-    """One token per ASCII character (the tiny vocabulary's 128 ids); anything else is id 0."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(code): code for code in range(VOCAB)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=chr(0)))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
 
 
 def test_the_tool_runs_end_to_end_and_agrees_with_transformers(make_source, tmp_path):

@@ -59,3 +59,21 @@ def build_tiny_model(arch: str, seed: int = 0, **config_kwargs) -> torch.nn.Modu
 def save_tiny_model(arch: str, folder: Path, **kwargs) -> Path:
     build_tiny_model(arch, **kwargs).save_pretrained(folder)
     return folder
+
+
+# Turns as "<|role|>content" lines, and the assistant's turn opened when asked: enough for the chat
+# endpoints and --chat to have something to apply.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def save_ascii_tokenizer(folder: Path, chat_template: str | None = None) -> None:
+    """One token per ASCII character (the tiny vocabulary's 128 ids); anything else is id 0."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(code): code for code in range(VOCAB)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=chr(0))))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)

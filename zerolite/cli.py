@@ -1,4 +1,4 @@
-"""The `zerolite` command: convert a model into a layout, inspect or verify one, generate from it, profile it.
+"""The `zerolite` command: convert a model into a layout, inspect or verify one, generate from it, serve it, profile it.
 
 Every problem a user can fix ends as one line on stderr and a non-zero exit; --debug adds the
 traceback.
@@ -258,19 +258,71 @@ def profile(
         show_report(report)
 
 
+@app.command()
+def serve(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="As for generate (default: the built-in model).")] = None,
+    offload: Annotated[str, typer.Option(help="nvme, cpu or none, as for generate.")] = "nvme",
+    path: Annotated[Path | None, typer.Option(help="As for generate: the offload root --model is converted under, or a layout.")] = None,
+    device: Annotated[str, typer.Option(help="cuda, cpu, or auto.")] = "auto",
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting.")] = None,
+    prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring.")] = 2,
+    gpu_memory: GpuMemory = None,
+    cpu_memory: CpuMemory = None,
+    kv_offload: KvOffload = 0.0,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights when converting.")] = False,
+    draft: Annotated[str | None, typer.Option(help="Not for serve: speculative decoding runs at batch 1, and the server batches its clients.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on; beyond loopback needs --api-key (or --insecure).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = 8000,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ZEROLITE_API_KEY", show_envvar=True,
+                                                help="Clients must send Authorization: Bearer KEY.")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host without an API key.")] = False,
+    max_batch: Annotated[str, typer.Option(help="Sequences per step, or auto: as many as the memory holds at the full context (up to 64).")] = "auto",
+    max_queue: Annotated[int, typer.Option(min=0, help="Sequences that may wait for a place in the batch; past that, requests get 429 with Retry-After.")] = 256,
+    step_tokens: Annotated[int, typer.Option(min=1, help="Tokens one step computes over the whole batch: a longer prompt joins over several steps, so the others' tokens keep coming.")] = 512,
+    max_context: Annotated[int | None, typer.Option(min=2, help="Tokens per sequence, prompt and completion (default: the model's context).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(min=1, help="Completion tokens one request may ask for (default: the context).")] = None,
+    max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted.")] = 1 << 20,
+    drain_timeout: Annotated[float, typer.Option(min=0, help="On SIGTERM or SIGINT: seconds for the requests in flight to finish before they are answered with an error.")] = 30.0,
+    served_model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: --model's name).")] = None,
+) -> None:
+    """Serve the model over OpenAI's API: concurrent requests share each pass over the weights."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise ZeroliteError("zerolite serve needs FastAPI and uvicorn: pip install 'zerolite[serve]'") from None
+    import zerolite
+    from zerolite.server import ServeSettings, bind, check_exposure, run_server
+
+    if draft is not None:
+        raise ZeroliteError("--draft is for generate: speculative decoding runs at batch 1, and serve batches its "
+                            "clients into each pass over the weights; leave out --draft")
+    settings = ServeSettings(host=host, port=port, api_key=api_key or None, insecure=insecure,
+                             max_batch=parse_batch_size(max_batch, "--max-batch", "sequences"), max_queue=max_queue,
+                             step_tokens=step_tokens, max_context=max_context, max_tokens=max_tokens,
+                             max_request_bytes=max_request_bytes, drain_timeout_s=drain_timeout,
+                             served_name=served_model_name)
+    check_exposure(settings)
+    sock = bind(host, port)  # before loading: a port in use is found in a second, not after minutes
+    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
+    with sock, zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
+                             prefetch_depth=prefetch_depth, **policy) as lm:
+        run_server(lm, settings, model, sock, announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))
+
+
 DEFAULT_BATCH_SIZE = "8"
 
 
-def parse_batch_size(text: str) -> int | None:
-    """A whole number of prompts per batch, or None for auto."""
+def parse_batch_size(text: str, flag: str = "--batch-size", what: str = "prompts") -> int | None:
+    """A whole number of prompts (or sequences) per batch, or None for auto."""
     if text.strip().lower() == "auto":
         return None
     try:
         size = int(text)
     except ValueError:
-        raise ZeroliteError(f"--batch-size {text!r} is not a number: give a whole number of prompts, or auto") from None
+        raise ZeroliteError(f"{flag} {text!r} is not a number: give a whole number of {what}, or auto") from None
     if size < 1:
-        raise ZeroliteError(f"--batch-size must be at least 1, got {size}")
+        raise ZeroliteError(f"{flag} must be at least 1, got {size}")
     return size
 
 

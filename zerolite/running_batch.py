@@ -52,16 +52,10 @@ class RunningBatch:
         forward = inspect.signature(self.model.forward).parameters
         self._takes_positions = "position_ids" in forward
         self._keeps_logits = "logits_to_keep" in forward
-        self.max_columns = cache_columns_limit(self.new_cache())
+        self.max_columns = cache_columns_limit(new_cache(lm))
         self.pad_id = self.model.generation_config.pad_token_id
         if self.pad_id is None or isinstance(self.pad_id, list):
             self.pad_id = 0  # a masked column's id is never looked at, only embedded
-
-    def new_cache(self):
-        fraction = self.lm.policy.kv_offload
-        if fraction > 0:
-            return PartialOffloadCache(self.model.config, fraction, self.lm.device, self.lm.executor.kv_streams)
-        return DynamicCache(config=self.model.config.get_text_config(decoder=True))
 
     @property
     def width(self) -> int:
@@ -73,7 +67,7 @@ class RunningBatch:
         if not rows:
             return
         if not self.rows:
-            self.cache = self.new_cache()
+            self.cache = new_cache(self.lm)
         self.rows += rows
         self._each_layer(lambda states: torch.cat([states, states.new_zeros((len(rows), *states.shape[1:]))]))
 
@@ -126,7 +120,7 @@ class RunningBatch:
             ids.to(device), next_sequence_length=chunk, cache=self.cache,
             # all ones is left out, as generate leaves it out, for the attention's unmasked path
             attention_mask=None if bool(mask.all()) else mask.to(device), use_cache=True, **extra)
-        with torch.inference_mode():
+        with torch.no_grad():  # as generate: K/V made here are changed in place later, which inference mode forbids
             try:
                 logits = self.model(**inputs).logits[:, -1, :].float()
             except BaseException:
@@ -167,7 +161,7 @@ class RunningBatch:
         """Applies change to every cache layer's keys and values ([batch, heads, columns, dim])."""
         if self.cache is None:
             return
-        with torch.inference_mode():  # the K/V were made under it, and in-place changes must be too
+        with torch.no_grad():
             for layer in self.cache.layers:
                 if not layer.is_initialized:
                     continue
@@ -176,6 +170,14 @@ class RunningBatch:
                 layer.keys, layer.values = change(layer.keys), change(layer.values)
                 if hasattr(layer, "cumulative_length"):
                     layer.cumulative_length = layer.keys.shape[-2]  # a sliding window's own count of tokens seen
+
+
+def new_cache(lm):
+    """The cache generate would make, with the policy's share of the K/V in host memory."""
+    fraction = lm.policy.kv_offload
+    if fraction > 0:
+        return PartialOffloadCache(lm.model.config, fraction, lm.device, lm.executor.kv_streams)
+    return DynamicCache(config=lm.model.config.get_text_config(decoder=True))
 
 
 def cache_columns_limit(cache) -> int | None:

@@ -1,0 +1,52 @@
+"""A zerolite server running in a thread of the test process, on a free port of 127.0.0.1.
+
+    with LiveServer(lm, ServeSettings(max_batch=4)) as server:
+        httpx.post(server.url + "/v1/completions", json={...})
+
+Leaving stops it as a signal would (drain, then stop) and checks that the engine left no row behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from zerolite.server import ServeSettings, bind, build_server
+
+START_TIMEOUT_S = 30
+
+
+class LiveServer:
+    def __init__(self, lm, settings: ServeSettings = ServeSettings()):
+        self.sock = bind("127.0.0.1", 0)
+        self.server = build_server(lm, settings, None)
+        self.engine = self.server.engine
+        self.served = self.server.served
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.engine.start()
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            assert time.monotonic() < deadline and self._thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.handle_exit(None, None)
+        self._thread.join(timeout=START_TIMEOUT_S)
+        self.engine.close()
+        self.sock.close()
+        assert not self._thread.is_alive(), "the server did not stop"
+
+    def metric(self, name: str) -> float:
+        """One unlabelled series' value from GET /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)

@@ -1,0 +1,113 @@
+"""The running batch against transformers' generate: rows join and leave at step boundaries, their
+prompts fed in chunks beside the others' decoding, and each row's greedy tokens are the ones
+generate gives its prompt alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerolite
+from zerolite.errors import ZeroliteError
+from zerolite.running_batch import Row, RunningBatch
+from zerolite.text_stream import TextStream
+from tiny_models import save_ascii_tokenizer
+
+NEW_TOKENS = 10
+LENGTHS = (5, 17, 2, 9, 30, 1)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def alone(lm, prompt: list[int], tokens: int = NEW_TOKENS) -> list[int]:
+    out = lm.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def staggered(lm, prompts_: list[list[int]], step_tokens: int, tokens: int = NEW_TOKENS) -> tuple[list[list[int]], int]:
+    """Every prompt through one RunningBatch, a new one joining every other step; the tokens and the steps taken."""
+    batch = RunningBatch(lm, step_tokens)
+    got = {i: [] for i in range(len(prompts_))}
+    waiting = list(enumerate(prompts_))
+    steps = 0
+    while waiting or batch.rows:
+        if waiting and steps % 2 == 0:
+            i, prompt = waiting.pop(0)
+            batch.add([Row(list(prompt), owner=i)])
+        for row, logits in batch.step():
+            token = int(logits.argmax())
+            got[row.owner].append(token)
+            row.pending = [token]
+        batch.remove([row for row in batch.rows if len(got[row.owner]) == tokens])
+        assert batch.cache is None or all(
+            layer.keys.shape[2] == batch.width for layer in batch.cache.layers if layer.is_initialized), \
+            "the cache is wider than the longest row"
+        steps += 1
+    return [got[i] for i in range(len(prompts_))], steps
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "bloom", "opt", "gpt2"])
+@pytest.mark.parametrize("step_tokens", [1, 8, 1000])
+def test_rows_that_join_and_leave_get_the_tokens_of_their_prompt_alone(make_layout, arch, step_tokens):
+    with zerolite.load(make_layout(arch), offload="nvme", device="cpu", show_progress=False) as lm:
+        expected = [alone(lm, p) for p in prompts()]
+        got, steps = staggered(lm, prompts(), step_tokens)
+    assert got == expected
+    assert steps < sum(LENGTHS) + len(LENGTHS) * NEW_TOKENS  # rows shared steps
+
+
+@pytest.mark.cuda
+def test_the_kv_cache_partly_in_host_memory_rebatches_too(make_layout, gpu):
+    with zerolite.load(make_layout("llama"), offload="cpu", device=gpu, kv_offload=0.5, show_progress=False) as lm:
+        expected = [alone(lm, p) for p in prompts(1)]
+        got, _ = staggered(lm, prompts(1), step_tokens=8)
+    assert got == expected
+
+
+def test_a_sliding_window_bounds_the_columns(make_layout):
+    layout = make_layout("mistral", sliding_window=48)
+    with zerolite.load(layout, offload="nvme", device="cpu", show_progress=False) as lm:
+        batch = RunningBatch(lm, step_tokens=64)
+        assert batch.max_columns == 47
+        expected = [alone(lm, p, tokens=16) for p in prompts(2)]
+        got, _ = staggered(lm, prompts(2), step_tokens=64, tokens=16)
+    assert got == expected
+
+
+def test_a_cache_of_other_state_is_refused(monkeypatch, make_layout):
+    import zerolite.running_batch as running_batch
+
+    class Recurrent:  # a state per sequence, as linear attention and SSM layers keep: no columns to rebatch
+        pass
+
+    class Cache:
+        layers = [Recurrent()]
+
+    monkeypatch.setattr(running_batch, "new_cache", lambda lm: Cache())
+    with zerolite.load(make_layout("llama"), offload="none", device="cpu", show_progress=False) as lm:
+        with pytest.raises(ZeroliteError, match="Recurrent layers"):
+            RunningBatch(lm, 8)
+
+
+@pytest.fixture(scope="module")
+def ascii_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("ascii")
+    save_ascii_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_text_comes_in_pieces_that_hold_back_a_stop_string_until_it_is_settled(ascii_tokenizer):
+    text = TextStream(ascii_tokenizer, stop=["cd", "xyz"])   # the longest is 3: 2 characters held back
+    pieces = [text.add(ord(c)) for c in "abcxcd"]
+    assert pieces == [("", False), ("", False), ("a", False), ("b", False), ("c", False), ("x", True)]
+
+
+def test_text_without_stop_strings_flows_token_by_token(ascii_tokenizer):
+    text = TextStream(ascii_tokenizer)
+    assert [text.add(ord(c)) for c in "hi!"] == [("h", False), ("i", False), ("!", False)]
+    assert text.finish() == ""

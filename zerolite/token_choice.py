@@ -1,0 +1,57 @@
+"""How one sequence picks its next token from the logits, as the OpenAI API's parameters say:
+greedy at temperature 0, else sampled after presence and frequency penalties, temperature, top-k
+and top-p (transformers' own warpers), from a generator of the sequence's own, so that a seed gives
+the same tokens whatever else shares the batch.
+
+    choice = TokenChoice(Sampling(temperature=0.7, top_p=0.9, seed=1), vocab_size=32000)
+    token = choice.pick(logits)    # fp32 logits of one row
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0        # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0: every token
+    presence_penalty: float = 0.0   # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per time a token was generated
+    seed: int | None = None
+
+
+class TokenChoice:
+    def __init__(self, sampling: Sampling, vocab_size: int):
+        self.sampling = sampling
+        self.counts = torch.zeros(vocab_size) if sampling.presence_penalty or sampling.frequency_penalty else None
+        self.generator = None
+        self.warpers = []
+        if sampling.temperature > 0:
+            self.generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
+            self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k > 0:
+                self.warpers.append(TopKLogitsWarper(sampling.top_k))
+            if sampling.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(sampling.top_p))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        scores = logits.detach().to("cpu", torch.float32).clone()
+        if self.counts is not None:
+            scores = scores[: self.counts.numel()]  # a head padded past the vocabulary
+            scores -= self.sampling.frequency_penalty * self.counts + self.sampling.presence_penalty * (self.counts > 0)
+        if self.generator is None:
+            token = int(scores.argmax())
+        else:
+            scores = scores[None]
+            for warper in self.warpers:
+                scores = warper(None, scores)
+            token = int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
+        if self.counts is not None:
+            self.counts[token] += 1
+        return token
