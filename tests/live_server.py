@@ -43,6 +43,13 @@ class LiveServer:
         self.sock.close()
         assert not self._thread.is_alive(), "the server did not stop"
 
+    def wait_idle(self, timeout_s: float = 30) -> None:
+        """Until no sequence runs or waits (cancelled ones leave at the next step boundary)."""
+        deadline = time.monotonic() + timeout_s
+        while self.metric("zerolite_active_sequences") or self.metric("zerolite_queue_depth"):
+            assert time.monotonic() < deadline, "sequences still hold places"
+            time.sleep(0.05)
+
     def metric(self, name: str) -> float:
         """One unlabelled series' value from GET /metrics."""
         text = httpx.get(self.url + "/metrics", timeout=10).text

@@ -69,11 +69,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 def save_ascii_tokenizer(folder: Path, chat_template: str | None = None) -> None:
     """One token per ASCII character (the tiny vocabulary's 128 ids); anything else is id 0."""
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {chr(code): code for code in range(VOCAB)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=chr(0))))
+    characters = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=chr(0)))
+    characters.decoder = decoders.Fuse()  # the characters back as they were, not joined by spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=characters)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)

@@ -177,12 +177,13 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
         prompts = completion_prompts(body, served)
         job = submit(sequences(body, prompts, served, body.max_tokens, default_max=16))
         ident, created = new_id("cmpl"), now()
+        with_ids = body.return_token_ids or served.tokenizer is None  # without a tokenizer, ids are all there is
         prompt_tokens = sum(map(len, prompts))
         echoed = [echo_text(served, prompts[s.index // body.n]) if body.echo else "" for s in job.sequences]
 
         def frame(index, piece, reason, ids):
             choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": reason}
-            if body.return_token_ids and ids is not None:
+            if with_ids and ids is not None:
                 choice["token_ids"] = ids
             return {"id": ident, "object": "text_completion", "created": created, "model": served.name,
                     "choices": [choice]}
@@ -190,7 +191,7 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return stream(job, frame, lambda i: frame(i, echoed[i], None, None) if echoed[i] else None, include, prompt_tokens,
-                          body.return_token_ids)
+                          with_ids)
         texts, ids, reasons, failure = await whole(job, request)
         if failure is not None:
             return fail(failure.status, failure.message, failure.code)

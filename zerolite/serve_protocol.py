@@ -6,8 +6,9 @@
 
 A parameter OpenAI defines that would change the answer and that zerolite does not do (logprobs,
 tools, logit_bias, ...) is refused by name rather than silently ignored; an unknown one is
-refused too, so that a typo (max_token) is not mistaken for the default. top_k and
-return_token_ids are vLLM's extensions: the latter adds each choice's token ids to the answer.
+refused too, so that a typo (max_token) is not mistaken for the default. top_k, ignore_eos (run to
+max_tokens, as benchmarks want) and return_token_ids (each choice's token ids in the answer) are
+vLLM's extensions.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Common(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
+    ignore_eos: bool = False
 
 
 class CompletionRequest(Common):
@@ -130,7 +132,9 @@ def parse(kind: type[BaseModel], raw: bytes):
 
 
 def describe(error: dict, kind: type[BaseModel]) -> tuple[str, int, str, str]:
-    field = ".".join(str(part) for part in error["loc"] if not str(part).startswith(("list[", "str", "int")))
+    # pydantic names the union member it tried in the location ("str", "list[int]", "TextPart"): not fields
+    field = ".".join(str(part) for part in error["loc"]
+                     if not (str(part) in ("str", "int", "float", "bool") or "[" in str(part) or str(part)[:1].isupper()))
     top = str(error["loc"][0]) if error["loc"] else ""
     if error["type"] == "extra_forbidden":
         return f"unknown parameter {field!r}: see the OpenAI API's {kind.__name__} for the ones there are", 400, "unknown_parameter", field
@@ -239,7 +243,8 @@ def sequences(body: Common, prompts: list[list[int]], served: ServedModel, asked
         for j in range(body.n):
             choice = TokenChoice(sampling(body, None if body.seed is None else body.seed + j), served.vocab_size)
             text = TextStream(served.tokenizer, stop_strings(body)) if served.tokenizer is not None else None
-            out.append(Sequence(i * body.n + j, ids, max_tokens, choice, text, served.eos_ids))
+            stop_ids = frozenset() if body.ignore_eos else served.eos_ids
+            out.append(Sequence(i * body.n + j, ids, max_tokens, choice, text, stop_ids))
     return out
 
 
