@@ -111,3 +111,25 @@ def test_text_without_stop_strings_flows_token_by_token(ascii_tokenizer):
     text = TextStream(ascii_tokenizer)
     assert [text.add(ord(c)) for c in "hi!"] == [("h", False), ("i", False), ("!", False)]
     assert text.finish() == ""
+
+
+def test_the_step_budget_settles_where_the_compute_meets_the_reads():
+    from zerolite.step_budget import CEILING, StepBudget
+
+    def step_s(tokens: int, read_s: float, per_token_s: float) -> float:
+        return max(read_s, tokens * per_token_s)
+
+    disk = StepBudget(None)  # a CPU: 0.65 s of reads, 4.7 ms a token
+    for _ in range(40):
+        disk.observe(16, step_s(16, 0.65, 0.0047))                      # decoding rows
+        disk.observe(disk.tokens, step_s(disk.tokens, 0.65, 0.0047))    # a prompt joining, at the budget
+    assert 0.65 / 0.0047 * 0.6 <= disk.tokens <= 0.65 / 0.0047 * 1.5
+
+    gpu = StepBudget(None)  # compute 1000x faster than the reads need
+    for _ in range(40):
+        gpu.observe(gpu.tokens, step_s(gpu.tokens, 0.65, 4.7e-6))
+    assert gpu.tokens == CEILING
+
+    fixed = StepBudget(512)
+    fixed.observe(512, 100.0)
+    assert fixed.tokens == 512

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,6 +30,7 @@ from tiny_models import CHAT_TEMPLATE, save_ascii_tokenizer
 from zerolite.convert import convert
 from zerolite.server import ServeSettings
 
+TOOLS = Path(__file__).parent.parent / "tools"
 TIMEOUT = httpx.Timeout(60.0)
 NEW_TOKENS = 12
 LENGTHS = (3, 11, 1, 7, 19, 5)
@@ -223,6 +225,29 @@ def test_a_full_queue_answers_429_with_retry_after(make_layout, monkeypatch):
     assert later["reason"] == "length"
 
 
+def test_a_step_that_fails_answers_its_requests_with_500_and_the_server_serves_on(make_layout, monkeypatch, capsys):
+    with zerolite.load(make_layout("llama"), offload="nvme", device="cpu", show_progress=False) as lm:
+        with LiveServer(lm) as server:
+            name = server.served.name
+            step = server.engine.batch.step
+            failures = iter([RuntimeError("disk on fire")])
+
+            def failing_once():
+                for failure in failures:
+                    raise failure
+                return step()
+
+            monkeypatch.setattr(server.engine.batch, "step", failing_once)
+            failed = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5, 6]}, timeout=TIMEOUT)
+            streamed = complete(server.url, [9, 8, 7, 6], True, name)
+            whole = complete(server.url, [9, 8, 7, 6], False, name)
+    assert failed.status_code == 500
+    assert failed.json()["error"] == {"message": "internal error in a step: RuntimeError: disk on fire",
+                                      "type": "server_error", "param": None, "code": "internal_error"}
+    assert "disk on fire" in capsys.readouterr().err  # the traceback, in the server's log
+    assert streamed["ids"] == whole["ids"] and len(whole["ids"]) == NEW_TOKENS
+
+
 KEY = "s3cret-key"
 GOOD = {"model": "MODEL", "prompt": "hello", "max_tokens": 4}
 CHAT = {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -339,3 +364,17 @@ def test_sigterm_under_load_finishes_or_answers_every_request(make_layout):
             server.kill()
     assert code == 0, server.stderr.read()
     assert set(outcomes) <= {"length", "stop", "error"} and len(outcomes) == 6
+
+
+def test_the_benchmark_runs_end_to_end(make_layout, tmp_path):
+    """tools/bench_serve.py on a tiny layout: a server process of its own, 1 client then 4."""
+    figures, picture = tmp_path / "serve.json", tmp_path / "clients.png"
+    done = subprocess.run([sys.executable, str(TOOLS / "bench_serve.py"), "--model", str(make_layout("llama", layers=4)),
+                           "--clients", "4", "--prompt-tokens", "5", "--new-tokens", "6", "--spread", "0.2",
+                           "--json", str(figures), "--plot", str(picture)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(figures.read_text())
+    assert [phase["tokens"] for phase in report["phases"].values()] == [6, 24]
+    assert all(phase["ttft_p95_s"] >= phase["ttft_median_s"] > 0 for phase in report["phases"].values())
+    assert report["speed_up"] > 0 and picture.stat().st_size > 0
+    assert "over 1 client" in done.stdout

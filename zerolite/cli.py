@@ -278,7 +278,7 @@ def serve(
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host without an API key.")] = False,
     max_batch: Annotated[str, typer.Option(help="Sequences per step, or auto: as many as the memory holds at the full context (up to 64).")] = "auto",
     max_queue: Annotated[int, typer.Option(min=0, help="Sequences that may wait for a place in the batch; past that, requests get 429 with Retry-After.")] = 256,
-    step_tokens: Annotated[int, typer.Option(min=1, help="Tokens one step computes over the whole batch: a longer prompt joins over several steps, so the others' tokens keep coming.")] = 512,
+    step_tokens: Annotated[str, typer.Option(help="Tokens one step computes over the whole batch, or auto: as many as the compute takes while the step waits for its reads anyway. A longer prompt joins over several steps, so the others' tokens keep coming.")] = "auto",
     max_context: Annotated[int | None, typer.Option(min=2, help="Tokens per sequence, prompt and completion (default: the model's context).")] = None,
     max_tokens: Annotated[int | None, typer.Option(min=1, help="Completion tokens one request may ask for (default: the context).")] = None,
     max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted.")] = 1 << 20,
@@ -299,7 +299,7 @@ def serve(
                             "clients into each pass over the weights; leave out --draft")
     settings = ServeSettings(host=host, port=port, api_key=api_key or None, insecure=insecure,
                              max_batch=parse_batch_size(max_batch, "--max-batch", "sequences"), max_queue=max_queue,
-                             step_tokens=step_tokens, max_context=max_context, max_tokens=max_tokens,
+                             step_tokens=parse_batch_size(step_tokens, "--step-tokens", "tokens"), max_context=max_context, max_tokens=max_tokens,
                              max_request_bytes=max_request_bytes, drain_timeout_s=drain_timeout,
                              served_name=served_model_name)
     check_exposure(settings)

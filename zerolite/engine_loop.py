@@ -1,6 +1,6 @@
 """The engine loop of zerolite serve: the one thread that calls the model while serving.
 
-    engine = EngineLoop(lm, max_batch=16, max_queue=64, step_tokens=512, metrics=metrics)
+    engine = EngineLoop(lm, max_batch=16, max_queue=64, step_tokens=None, metrics=metrics)  # None: auto
     engine.start()
     engine.submit(Request(sequences, asyncio.get_running_loop()))   # from the web server's loop
     event = await request.events.get()                                # Tokens, Finished or Failed
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from zerolite.running_batch import Row, RunningBatch
 from zerolite.serve_metrics import ServeMetrics
+from zerolite.step_budget import StepBudget
 from zerolite.text_stream import TextStream
 from zerolite.token_choice import TokenChoice
 
@@ -100,12 +101,15 @@ class ShuttingDown(Exception):
 
 
 class EngineLoop:
-    def __init__(self, lm, max_batch: int, max_queue: int, step_tokens: int, metrics: ServeMetrics):
+    def __init__(self, lm, max_batch: int, max_queue: int, step_tokens: int | None, metrics: ServeMetrics):
+        """step_tokens: the most tokens a step computes over the batch; None: as many as hide
+        under the step's reads (zerolite.step_budget)."""
         self.lm = lm
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.metrics = metrics
-        self.batch = RunningBatch(lm, step_tokens)
+        self.budget = StepBudget(step_tokens)
+        self.batch = RunningBatch(lm, self.budget.tokens)
         self._waiting: deque[Sequence] = deque()
         self._wake = threading.Condition()
         self._accepting = True
@@ -209,6 +213,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        self.batch.step_tokens = self.budget.tokens
         done = self.batch.step()
         leaving = []
         for row, logits in done:
@@ -240,6 +245,7 @@ class EngineLoop:
             self.batch.remove(leaving)
             self._count()
         seconds = time.perf_counter() - started
+        self.budget.observe(self.batch.computed, seconds)
         self._step_s = 0.8 * self._step_s + 0.2 * seconds
         self.metrics.step(seconds, len(done))
 

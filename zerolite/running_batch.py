@@ -49,6 +49,7 @@ class RunningBatch:
         self.step_tokens = max(step_tokens, 1)
         self.rows: list[Row] = []
         self.cache = None
+        self.computed = 0             # tokens the last step computed over all rows, the padding included
         forward = inspect.signature(self.model.forward).parameters
         self._takes_positions = "position_ids" in forward
         self._keeps_logits = "logits_to_keep" in forward
@@ -95,7 +96,7 @@ class RunningBatch:
 
     def step(self) -> list[tuple[Row, torch.Tensor]]:
         """One forward over every row: the rows whose pending tokens are now all fed, each with
-        the fp32 logits of its next token. A row given back must get its next token in pending
+        the fp32 logits of its next token (on the host). A row given back must get its next token in pending
         before the next step; the others carry on prefilling."""
         if not self.rows:
             return []
@@ -104,6 +105,7 @@ class RunningBatch:
         if self.max_columns is not None:
             chunk = max(min(chunk, self.max_columns - width), 1)
         feeds = [min(len(row.pending), chunk) for row in self.rows]
+        self.computed = chunk * len(self.rows)
         device = self.lm.torch_device
         ids = torch.full((len(self.rows), chunk), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(self.rows), width + chunk), dtype=torch.long)
@@ -122,7 +124,7 @@ class RunningBatch:
             attention_mask=None if bool(mask.all()) else mask.to(device), use_cache=True, **extra)
         with torch.no_grad():  # as generate: K/V made here are changed in place later, which inference mode forbids
             try:
-                logits = self.model(**inputs).logits[:, -1, :].float()
+                logits = self.model(**inputs).logits[:, -1, :].float().cpu()  # one copy for every row's choice
             except BaseException:
                 self.lm.device.synchronize()  # K/V copies of the layers that ran land before anything is freed
                 self.lm.executor.recover()

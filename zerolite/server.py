@@ -31,6 +31,7 @@ from zerolite.running_batch import cache_columns_limit, new_cache
 from zerolite.serve_app import build_app
 from zerolite.serve_metrics import ServeMetrics
 from zerolite.serve_protocol import ServedModel
+from zerolite.step_budget import START as STEP_BUDGET_START
 
 AUTO_BATCH_CAP = 64            # --max-batch auto: no more rows than this, whatever the memory holds
 DEFAULT_CONTEXT = 2048         # for a model whose config names no context length (BLOOM's ALiBi)
@@ -45,7 +46,8 @@ class ServeSettings:
     insecure: bool = False            # a non-loopback host without an API key, on purpose
     max_batch: int | None = None      # None: auto, what the memory holds
     max_queue: int = 256              # sequences that may wait beyond the batch's free places
-    step_tokens: int = 512            # tokens one step computes over the whole batch (bounds prefill chunks)
+    step_tokens: int | None = None    # tokens one step computes over the whole batch (bounds prefill chunks);
+                                      # None: as many as hide under the step's reads (zerolite.step_budget)
     max_context: int | None = None    # tokens per sequence (default: the model's context)
     max_tokens: int | None = None     # completion tokens per request (default: the context)
     max_request_bytes: int = 1 << 20
@@ -115,9 +117,9 @@ def default_name(model: str | None) -> str:
     return local.name.removesuffix(".gguf") if local.exists() else model
 
 
-def auto_batch(lm, served: ServedModel, step_tokens: int) -> int:
+def auto_batch(lm, served: ServedModel, step_tokens: int | None) -> int:
     """The most rows whose K/V, each at the full context, fit the memory the weights left."""
-    chunk = min(step_tokens, served.context)
+    chunk = min(step_tokens or STEP_BUDGET_START, served.context)
     return largest_batch(lm, [chunk] * AUTO_BATCH_CAP, max(served.context - chunk, 0))
 
 
