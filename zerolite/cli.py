@@ -35,6 +35,15 @@ GpuMemory = Annotated[str | None, typer.Option(
 CpuMemory = Annotated[str | None, typer.Option(
     "--cpu-memory", help="Layers to keep in host memory before streaming the rest from disk, as 64GB; 0 streams every "
     "layer (default: what is free, less headroom).", show_default=False)]
+# The same, as profile and serve take them (generate's own help says more).
+ModelAsForGenerate = Annotated[str | None, typer.Option(
+    "--model", "-m", help="As for generate (default: the built-in model).")]
+OffloadAsForGenerate = Annotated[str, typer.Option(help="nvme, cpu or none, as for generate.")]
+PathAsForGenerate = Annotated[Path | None, typer.Option(
+    help="As for generate: the offload root --model is converted under, or a layout.")]
+DeviceAsForGenerate = Annotated[str, typer.Option(help="cuda, cpu, or auto.")]
+DtypeAsForGenerate = Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting.")]
+PrefetchDepthAsForGenerate = Annotated[int, typer.Option(min=1, help="Slots in the ring.")]
 KvOffload = Annotated[float, typer.Option(
     "--kv-offload", help="Share of the layers (0 to 1) whose K/V cache lives in host memory, so the batch can grow "
     "past device memory.")]
@@ -194,12 +203,12 @@ def generate(
 
 @app.command()
 def profile(
-    model: Annotated[str | None, typer.Option("--model", "-m", help="As for generate (default: the built-in model).")] = None,
-    offload: Annotated[str, typer.Option(help="nvme, cpu or none, as for generate.")] = "nvme",
-    path: Annotated[Path | None, typer.Option(help="As for generate: the offload root --model is converted under, or a layout.")] = None,
-    device: Annotated[str, typer.Option(help="cuda, cpu, or auto.")] = "auto",
-    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting.")] = None,
-    prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring.")] = 2,
+    model: ModelAsForGenerate = None,
+    offload: OffloadAsForGenerate = "nvme",
+    path: PathAsForGenerate = None,
+    device: DeviceAsForGenerate = "auto",
+    dtype: DtypeAsForGenerate = None,
+    prefetch_depth: PrefetchDepthAsForGenerate = 2,
     gpu_memory: GpuMemory = None,
     cpu_memory: CpuMemory = None,
     kv_offload: KvOffload = 0.0,
@@ -260,12 +269,12 @@ def profile(
 
 @app.command()
 def serve(
-    model: Annotated[str | None, typer.Option("--model", "-m", help="As for generate (default: the built-in model).")] = None,
-    offload: Annotated[str, typer.Option(help="nvme, cpu or none, as for generate.")] = "nvme",
-    path: Annotated[Path | None, typer.Option(help="As for generate: the offload root --model is converted under, or a layout.")] = None,
-    device: Annotated[str, typer.Option(help="cuda, cpu, or auto.")] = "auto",
-    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting.")] = None,
-    prefetch_depth: Annotated[int, typer.Option(min=1, help="Slots in the ring.")] = 2,
+    model: ModelAsForGenerate = None,
+    offload: OffloadAsForGenerate = "nvme",
+    path: PathAsForGenerate = None,
+    device: DeviceAsForGenerate = "auto",
+    dtype: DtypeAsForGenerate = None,
+    prefetch_depth: PrefetchDepthAsForGenerate = 2,
     gpu_memory: GpuMemory = None,
     cpu_memory: CpuMemory = None,
     kv_offload: KvOffload = 0.0,
