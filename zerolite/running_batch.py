@@ -19,6 +19,12 @@ generate derives them, so a row's tokens are the ones generate gives its prompt 
 Only decoding rows are ever padded, and only in the steps that carry a prompt: T is bounded by
 step_tokens over the batch, so a long prompt is fed over several steps (chunked prefill) instead
 of stalling every other row behind one wide forward.
+
+Why not transformers' continuous batching (generate_batch, init_continuous_batching): it packs the
+batch into one ragged row for paged attention, which only models on transformers' attention
+interface have (not BLOOM, whose ALiBi attention is its own); its PagedAttentionCache is sized on
+model.device, which is meta for streamed weights, and takes the place of zerolite's K/V offload.
+A left-padded batch runs the model's own forward, mask and positions, on every architecture.
 """
 
 from __future__ import annotations
