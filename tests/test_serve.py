@@ -202,6 +202,19 @@ def test_clients_that_disconnect_mid_stream_are_cancelled_and_the_others_served(
     assert 'zerolite_sequences_finished_total{reason="cancelled"} 20.0' in cancelled
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_is_cancelled(make_layout, monkeypatch):
+    with zerolite.load(make_layout("llama"), offload="nvme", device="cpu", show_progress=False) as lm:
+        with LiveServer(lm) as server:
+            step = server.engine.batch.step
+            monkeypatch.setattr(server.engine.batch, "step", lambda: time.sleep(0.01) or step())  # 240 steps: 2.4 s at least
+            body = {"model": server.served.name, "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True}
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+            server.wait_idle(timeout_s=2)  # well before the 240 tokens would have been done
+            metrics = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+    assert 'zerolite_sequences_finished_total{reason="cancelled"} 1.0' in metrics
+
+
 def test_a_full_queue_answers_429_with_retry_after(make_layout, monkeypatch):
     with zerolite.load(make_layout("llama"), offload="nvme", device="cpu", show_progress=False) as lm:
         with LiveServer(lm, ServeSettings(max_batch=1, max_queue=0)) as server:

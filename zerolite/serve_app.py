@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -93,13 +94,18 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
         the client going away while waiting (a stream hears of it by being closed). Cancels the
         job if left before the end."""
         left = len(job.sequences)
+        looked = time.monotonic()
         try:
             while left:
                 try:
                     event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S if request else None)
                 except TimeoutError:
+                    event = None
+                if request is not None and time.monotonic() - looked >= DISCONNECT_POLL_S:
+                    looked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if event is None:
                     continue
                 yield event
                 if isinstance(event, Finished):
