@@ -337,8 +337,9 @@ def test_sigterm_under_load_finishes_or_answers_every_request(make_layout):
                                "--port", "0", "--drain-timeout", "1", "--max-batch", "8"],
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     try:
-        line = server.stderr.readline()
-        match = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        for _, line in zip(range(10), server.stderr):  # the plan's lines, then where it listens
+            if match := re.search(r"http://127\.0\.0\.1:(\d+)/v1", line):
+                break
         assert match, line
         url = f"http://127.0.0.1:{match[1]}"
         name = layout.name

@@ -301,7 +301,7 @@ def serve(
     except ImportError:
         raise ZeroliteError("zerolite serve needs FastAPI and uvicorn: pip install 'zerolite[serve]'") from None
     import zerolite
-    from zerolite.server import ServeSettings, bind, check_exposure, run_server
+    from zerolite.server import ServeSettings, bind, build_server, check_exposure, run_server
 
     if draft is not None:
         raise ZeroliteError("--draft is for generate: speculative decoding runs at batch 1, and serve batches its "
@@ -316,7 +316,9 @@ def serve(
     policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
     with sock, zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
                              prefetch_depth=prefetch_depth, **policy) as lm:
-        run_server(lm, settings, model, sock, announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))
+        server = build_server(lm, settings, model)
+        show_plan(lm, server.engine.max_batch, server.served.context)
+        run_server(server, settings, sock, announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))
 
 
 DEFAULT_BATCH_SIZE = "8"

@@ -1,6 +1,7 @@
 """zerolite serve: a loaded model behind OpenAI's API, until SIGTERM or SIGINT.
 
-    run_server(lm, ServeSettings(port=8000, api_key="..."))
+    server = build_server(lm, settings, model="bigscience/bloom")
+    run_server(server, settings, bind(settings.host, settings.port))
 
 The socket is bound before anything else starts, so a port in use is one clear error. On SIGTERM
 or SIGINT the server stops accepting connections and requests, what is in flight has
@@ -123,9 +124,8 @@ def auto_batch(lm, served: ServedModel, step_tokens: int | None) -> int:
     return largest_batch(lm, [chunk] * AUTO_BATCH_CAP, max(served.context - chunk, 0))
 
 
-def run_server(lm, settings: ServeSettings, model: str | None, sock: socket.socket, announce=print) -> None:
+def run_server(server: DrainingServer, settings: ServeSettings, sock: socket.socket, announce=print) -> None:
     """Serves until a signal, then drains (see the module's docstring)."""
-    server = build_server(lm, settings, model)
     server.engine.start()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     announce(f"zerolite serve: {server.served.name} on http://{host}:{sock.getsockname()[1]}/v1 "
