@@ -10,7 +10,8 @@ DeepSpeed's NVMe path also needs libaio (apt-get install libaio-dev).
    unsynchronised accesses across CUDA streams;
 2. tools/bench.py at each batch size: zerolite --offload nvme and cpu, and nvme with int8 and int4 weights, beside DeepSpeed
    ZeRO-Inference (NVMe and CPU), on the benchmark model (built and converted if missing);
-3. `zerolite profile --offload nvme` on the same layout, at the first batch size.
+3. `zerolite profile --offload nvme` on the same layout, at the first batch size;
+4. tools/bench_serve.py on the same layout: zerolite serve with 1 client, then 16 at once.
 
 Each step runs in its own process with a time limit; a step that fails or runs out of time is
 reported as such and the others still run. The report is printed at the end and written to --out.
@@ -191,11 +192,14 @@ def main() -> None:
     profile = run_step("zerolite profile", [ZEROLITE, "profile", "--model", str(layout), "--offload", "nvme", "--device",
                                             "cuda", "--batch-size", str(args.batch_sizes[0])], args.timeout)
 
+    serve = run_step("tools/bench_serve.py", [sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--model", str(layout),
+                                              "--device", "cuda", "--clients", "16"], args.timeout)
+
     report = "\n\n".join([f"# zerolite GPU check\n\n{machine_line()}", tests_section(tests),
-                          *map(output_section, benches), output_section(profile)]) + "\n"
+                          *map(output_section, benches), output_section(profile), output_section(serve)]) + "\n"
     args.out.write_text(report)
     print(report)
-    steps = [tests, *benches, profile]
+    steps = [tests, *benches, profile, serve]
     failed = [step.title for step in steps if step.returncode != 0]
     print(f"gpu_check: report written to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     sys.exit(1 if failed else 0)
