@@ -25,6 +25,7 @@ class LiveServer:
         self.engine = self.server.engine
         self.served = self.server.served
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -37,6 +38,8 @@ class LiveServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.wait_idle()  # the test's requests all done, or cancelled: no row left behind
         self.server.handle_exit(None, None)
         self._thread.join(timeout=START_TIMEOUT_S)
         self.engine.close()
@@ -52,7 +55,7 @@ class LiveServer:
 
     def metric(self, name: str) -> float:
         """One unlabelled series' value from GET /metrics."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
         for line in text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])

@@ -147,7 +147,8 @@ def test_the_openai_client_and_curl_work_streaming_and_not(chat_lm):
                                "Content-Type: application/json", "-d", body], capture_output=True, text=True, timeout=90)
         assert json.loads(done.stdout)["choices"][0]["text"] == expected_text
         streamed = json.dumps({"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True})
-        done = subprocess.run([curl, "-sSN", "--max-time", "60", server.url + "/v1/completions", "-d", streamed],
+        done = subprocess.run([curl, "-sSN", "--max-time", "60", server.url + "/v1/completions", "-H",
+                               "Content-Type: application/json", "-d", streamed],
                               capture_output=True, text=True, timeout=90)
         events = [line.removeprefix("data: ") for line in done.stdout.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -229,12 +230,15 @@ def test_a_full_queue_answers_429_with_retry_after(make_layout, monkeypatch):
                     assert time.monotonic() < deadline
                     time.sleep(0.02)
                 refused = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5]}, timeout=TIMEOUT)
+                never = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5], "n": 2},
+                                   timeout=TIMEOUT)  # more than the batch and the queue hold together
                 gate.set()
                 assert first.result()["reason"] == "length"
             later = complete(server.url, [5, 6, 7], False, name, ignore_eos=True)
     assert refused.status_code == 429
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["code"] == "queue_full"
+    assert never.status_code == 400 and "ask for fewer" in never.json()["error"]["message"]
     assert later["reason"] == "length"
 
 
@@ -252,13 +256,52 @@ def test_a_step_that_fails_answers_its_requests_with_500_and_the_server_serves_o
 
             monkeypatch.setattr(server.engine.batch, "step", failing_once)
             failed = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5, 6]}, timeout=TIMEOUT)
+            add = server.engine.batch.add
+            joins = iter([MemoryError("no room for the K/V")])
+
+            def joining_fails_once(rows):
+                for failure in joins:
+                    raise failure
+                return add(rows)
+
+            monkeypatch.setattr(server.engine.batch, "add", joining_fails_once)
+            refused = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5, 6]}, timeout=TIMEOUT)
+            alive = httpx.get(server.url + "/health", timeout=TIMEOUT).status_code
             streamed = complete(server.url, [9, 8, 7, 6], True, name)
             whole = complete(server.url, [9, 8, 7, 6], False, name)
     assert failed.status_code == 500
     assert failed.json()["error"] == {"message": "internal error in a step: RuntimeError: disk on fire",
                                       "type": "server_error", "param": None, "code": "internal_error"}
     assert "disk on fire" in capsys.readouterr().err  # the traceback, in the server's log
+    assert refused.status_code == 500 and "MemoryError" in refused.json()["error"]["message"]
+    assert alive == 200
     assert streamed["ids"] == whole["ids"] and len(whole["ids"]) == NEW_TOKENS
+
+
+def test_without_a_key_only_loopback_hosts_and_json_bodies_are_answered(chat_lm):
+    """A web page can POST a form or text/plain to 127.0.0.1 without asking, and a name of its own
+    can resolve to 127.0.0.1 (DNS rebinding): neither reaches the model."""
+    with LiveServer(chat_lm) as server:
+        body = json.dumps({"model": server.served.name, "prompt": "hi", "max_tokens": 2})
+        plain = httpx.post(server.url + "/v1/completions", content=body, headers={"Content-Type": "text/plain"},
+                           timeout=TIMEOUT)
+        rebound = httpx.post(server.url + "/v1/completions", content=body, timeout=TIMEOUT,
+                             headers={"Content-Type": "application/json", "Host": "attacker.example:8000"})
+        local = httpx.post(server.url + "/v1/completions", content=body, timeout=TIMEOUT,
+                           headers={"Content-Type": "application/json", "Host": "localhost"})
+    assert plain.status_code == 415 and "application/json" in plain.json()["error"]["message"]
+    assert rebound.status_code == 403 and "--api-key" in rebound.json()["error"]["message"]
+    assert local.status_code == 200
+
+
+def test_sampling_edges_neither_fail_nor_fail_others(chat_lm):
+    with LiveServer(chat_lm) as server:
+        name = server.served.name
+        greedy = complete(server.url, "abc", False, name)
+        tiny = complete(server.url, "abc", False, name, temperature=1e-45)        # would overflow as a divisor
+        top_seed = complete(server.url, "abc", False, name, temperature=1.0, seed=2**63 - 1, n=2)
+    assert tiny["ids"] == greedy["ids"]
+    assert top_seed["reason"] in ("stop", "length")
 
 
 KEY = "s3cret-key"
@@ -295,6 +338,10 @@ BAD_REQUESTS = [
     ("unknown endpoint", "POST", "/v1/embeddings", GOOD, {}, 404, "no endpoint"),
     ("wrong method", "GET", "/v1/completions", None, {}, 405, "not allowed"),
     ("body too large", "POST", "/v1/completions", {**GOOD, "prompt": "x" * 5000}, {}, 413, "over 4096 bytes"),
+    ("JSON nested past the stack", "POST", "/v1/completions", b"[" * 4000, {}, 400, "not valid JSON"),
+    ("a seed past 64 bits", "POST", "/v1/completions", {**GOOD, "seed": 2**64}, {}, 400, "seed"),
+    ("a form, not JSON", "POST", "/v1/completions", b"model=MODEL&prompt=hi",
+     {"Content-Type": "application/x-www-form-urlencoded"}, 415, "must be JSON"),
 ]
 
 
@@ -302,7 +349,8 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_server_serves_on(chat_lm)
     settings = ServeSettings(api_key=KEY, max_request_bytes=4096, max_context=256)
     with LiveServer(chat_lm, settings) as server:
         name = server.served.name
-        with httpx.Client(base_url=server.url, timeout=TIMEOUT, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}) as http:
             for why, method, path, body, headers, status, fragment in BAD_REQUESTS:
                 if isinstance(body, dict):
                     body = json.dumps(body).replace("MODEL", name).encode()
@@ -343,33 +391,28 @@ def test_sigterm_under_load_finishes_or_answers_every_request(make_layout):
         assert match, line
         url = f"http://127.0.0.1:{match[1]}"
         name = layout.name
-        outcomes, started = [], threading.Barrier(7)
 
         def long_stream(_):
             body = {"model": name, "prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0, "stream": True,
                     "ignore_eos": True}
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as answer:
-                lines = answer.iter_lines()
-                first = next(lines)
-                started.wait(timeout=60)
-                rest = [line for line in lines if line.startswith("data: ")]
-            events = [first.removeprefix("data: ")] + [line.removeprefix("data: ") for line in rest]
+                events = [line.removeprefix("data: ") for line in answer.iter_lines() if line.startswith("data: ")]
             assert events[-1] == "[DONE]", events[-3:]
             last = json.loads(events[-2])
             return "error" if "error" in last else last["choices"][0]["finish_reason"]
 
         def whole(_):
             body = {"model": name, "prompt": [9, 9], "max_tokens": 240, "temperature": 0, "ignore_eos": True}
-            with ThreadPoolExecutor(1) as one:
-                pending = one.submit(httpx.post, url + "/v1/completions", json=body, timeout=TIMEOUT)
-                started.wait(timeout=60)
-                answer = pending.result()
+            answer = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
             assert answer.status_code in (200, 503), answer.text
             return "error" if answer.status_code == 503 else answer.json()["choices"][0]["finish_reason"]
 
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(long_stream, i) for i in range(4)] + [pool.submit(whole, i) for i in range(2)]
-            started.wait(timeout=60)  # every client is in flight
+            deadline = time.monotonic() + 60
+            while in_flight(url) < 6:  # every client's request is in the engine, none done yet (240 tokens each)
+                assert time.monotonic() < deadline, "the clients' requests did not all arrive"
+                time.sleep(0.01)
             server.send_signal(signal.SIGTERM)
             outcomes = [f.result(timeout=60) for f in futures]
         code = server.wait(timeout=60)
@@ -378,6 +421,12 @@ def test_sigterm_under_load_finishes_or_answers_every_request(make_layout):
             server.kill()
     assert code == 0, server.stderr.read()
     assert set(outcomes) <= {"length", "stop", "error"} and len(outcomes) == 6
+
+
+def in_flight(url: str) -> float:
+    """Sequences running or waiting, from the server's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    return sum(float(v) for v in re.findall(r"^zerolite_(?:active_sequences|queue_depth) (\S+)$", text, re.M))
 
 
 def test_the_benchmark_runs_end_to_end(make_layout, tmp_path):

@@ -130,6 +130,16 @@ class EngineLoop:
     def accepting(self) -> bool:
         return self._accepting
 
+    @property
+    def alive(self) -> bool:
+        """The loop's thread runs (a server whose engine died answers /health with 503)."""
+        return self._thread.is_alive()
+
+    @property
+    def capacity(self) -> int:
+        """The most sequences that may be running or waiting at once."""
+        return self.max_batch + self.max_queue
+
     def submit(self, request: Request) -> None:
         """Queues the request's sequences; raises QueueFull when more than max_queue would wait
         beyond the batch's free places, ShuttingDown once draining began."""
@@ -179,19 +189,23 @@ class EngineLoop:
                     self._wake.wait()
                 if self._stopped:
                     return
-                self._drop_cancelled()
-                if self._deadline is not None and time.monotonic() >= self._deadline:
-                    self._fail_all(Failed("the server is shutting down and this request did not finish in time", 503,
-                                         "shutting_down"))
-                    continue
-                self._admit()
             try:
-                self._step()
-            except Exception as e:  # a failed step fails its rows; the server goes on with the next requests
+                self._turn()
+            except Exception as e:  # a failed turn fails its rows; the server goes on with the next requests
                 traceback.print_exc(file=sys.stderr)
                 with self._wake:
                     self._fail_all(Failed(f"internal error in a step: {type(e).__name__}: {' '.join(str(e).split())}",
                                           500, "internal_error"), waiting_too=False)
+
+    def _turn(self) -> None:
+        with self._wake:
+            self._drop_cancelled()
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                self._fail_all(Failed("the server is shutting down and this request did not finish in time", 503,
+                                      "shutting_down"))
+                return
+            self._admit()
+        self._step()
 
     def _drop_cancelled(self) -> None:
         for sequence in [s for s in self._waiting if s.request.cancelled]:
@@ -208,7 +222,17 @@ class EngineLoop:
             sequence = self._waiting.popleft()
             joining.append(Row(list(sequence.prompt_ids), owner=sequence))
             self.metrics.prompt_tokens.inc(len(sequence.prompt_ids))
-        self.batch.add(joining)
+        try:
+            self.batch.add(joining)
+        except Exception as e:
+            # Neither running nor waiting now: their requests hear of it here (the running ones, whose
+            # cache the half-done add left uneven, from the turn's failure).
+            failure = Failed(f"internal error joining the batch: {type(e).__name__}: {' '.join(str(e).split())}",
+                             500, "internal_error")
+            for request in {id(row.owner.request): row.owner.request for row in joining}.values():
+                request.post(failure)
+            self.metrics.sequences.labels("error").inc(len(joining))
+            raise
         self._count()
 
     def _step(self) -> None:
@@ -216,38 +240,56 @@ class EngineLoop:
         self.batch.step_tokens = self.budget.tokens
         done = self.batch.step()
         leaving = []
+        failed = {}   # request -> what failed: only its own rows leave
         for row, logits in done:
-            sequence = row.owner
-            request = sequence.request
-            token = sequence.choice.pick(logits)
-            sequence.generated.append(token)
-            if not request.answered:
-                request.answered = True
-                self.metrics.ttft.observe(time.monotonic() - request.arrived)
-            reason, text = None, ""
-            if token in sequence.stop_ids:
-                reason = "stop"
-            elif sequence.text is not None:
-                text, stopped = sequence.text.add(token)
-                reason = "stop" if stopped else None
-            if reason is None and len(sequence.generated) >= sequence.max_tokens:
-                reason = "length"
-            if reason is not None and sequence.text is not None:
-                text += sequence.text.finish()  # after a stop string, nothing is held back
-            request.post(Tokens(sequence.index, [token], text))
-            if reason is None:
-                row.pending = [token]
+            request = row.owner.request
+            if request in failed:
                 continue
-            request.post(Finished(sequence.index, reason))
-            self.metrics.sequences.labels(reason).inc()
-            leaving.append(row)
+            try:
+                if self._next_token(row, logits):
+                    leaving.append(row)
+            except Exception as e:
+                traceback.print_exc(file=sys.stderr)
+                failed[request] = Failed(f"internal error choosing a token: {type(e).__name__}: "
+                                         f"{' '.join(str(e).split())}", 500, "internal_error")
         with self._wake:
+            leaving += [row for row in self.batch.rows if row.owner.request in failed and row not in leaving]
             self.batch.remove(leaving)
             self._count()
+        for request, failure in failed.items():
+            request.post(failure)
+            self.metrics.sequences.labels("error").inc(len(request.sequences))
         seconds = time.perf_counter() - started
         self.budget.observe(self.batch.computed, seconds)
         self._step_s = 0.8 * self._step_s + 0.2 * seconds
         self.metrics.step(seconds, len(done))
+
+    def _next_token(self, row: Row, logits) -> bool:
+        """Picks and sends the row's next token; True when its sequence is done."""
+        sequence = row.owner
+        request = sequence.request
+        token = sequence.choice.pick(logits)
+        sequence.generated.append(token)
+        if not request.answered:
+            request.answered = True
+            self.metrics.ttft.observe(time.monotonic() - request.arrived)
+        reason, text = None, ""
+        if token in sequence.stop_ids:
+            reason = "stop"
+        elif sequence.text is not None:
+            text, stopped = sequence.text.add(token)
+            reason = "stop" if stopped else None
+        if reason is None and len(sequence.generated) >= sequence.max_tokens:
+            reason = "length"
+        if reason is not None and sequence.text is not None:
+            text += sequence.text.finish()  # after a stop string, nothing is held back
+        request.post(Tokens(sequence.index, [token], text))
+        if reason is None:
+            row.pending = [token]
+            return False
+        request.post(Finished(sequence.index, reason))
+        self.metrics.sequences.labels(reason).inc()
+        return True
 
     def _fail_all(self, failure: Failed, waiting_too: bool = True) -> None:
         """Answers every running (and, unless told otherwise, waiting) sequence's request with failure."""

@@ -11,6 +11,7 @@ when the connection drops, and a whole answer's wait looks for the disconnect wh
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import secrets
 import time
@@ -18,7 +19,9 @@ import time
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from zerolite.engine_loop import EngineLoop, Failed, Finished, QueueFull, ShuttingDown, Tokens
 from zerolite.engine_loop import Request as Job
@@ -27,12 +30,16 @@ from zerolite.serve_protocol import (BadRequest, ChatRequest, CompletionRequest,
                                      completion_prompts, error_body, model_card, new_id, now, parse, sequences, usage)
 
 DISCONNECT_POLL_S = 0.5    # how often a whole answer's wait looks for a client gone away
+BODY_TIMEOUT_S = 30.0      # for a request body to arrive whole (a client that stops sending holds nothing longer)
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error",
                500: "server_error"}
 
 
 def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, api_key: str | None,
-              max_request_bytes: int) -> FastAPI:
+              max_request_bytes: int, local_only: bool) -> FastAPI:
+    """local_only: the server listens on loopback without a key, so requests must name a loopback
+    Host: a web page the user visits cannot reach it by DNS rebinding (a name of the attacker's
+    that resolves to 127.0.0.1)."""
     app = FastAPI(title="zerolite", docs_url=None, redoc_url=None, openapi_url=None)
 
     def fail(status: int, message: str, code: str | None = None, param: str | None = None, headers=None) -> JSONResponse:
@@ -55,6 +62,9 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
     app.add_middleware(CountRequests, metrics=metrics)
 
     def authorize(request: Request) -> None:
+        if local_only and not is_loopback_host(request.headers.get("host", "")):
+            raise BadRequest("this server answers only requests to a loopback address (Host: 127.0.0.1, localhost "
+                             "or [::1]); to serve others, start it with --api-key", 403, "forbidden_host")
         if api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -62,6 +72,21 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
             raise BadRequest("missing or wrong API key: send the header Authorization: Bearer KEY", 401, "invalid_api_key")
 
     async def read_body(request: Request) -> bytes:
+        """The JSON body, bounded in size and time. JSON only: a form or text/plain POST is what a web
+        page can send to any address without asking first (no CORS preflight)."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise BadRequest(f"the request body must be JSON, sent with Content-Type: application/json "
+                             f"(not {kind or 'none'})", 415, "unsupported_media_type")
+        try:
+            return await asyncio.wait_for(receive_body(request), BODY_TIMEOUT_S)
+        except TimeoutError:
+            raise BadRequest(f"the request body did not arrive whole within {BODY_TIMEOUT_S:.0f} s", 408,
+                             "request_timeout") from None
+        except ClientDisconnect:
+            raise BadRequest("the client went away while sending the request", 400, "client_disconnected") from None
+
+    async def receive_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         too_big = BadRequest(f"the request body is over {max_request_bytes} bytes, this server's limit", 413,
                              "request_too_large")
@@ -75,6 +100,9 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
         return bytes(body)
 
     def submit(sequences_) -> Job:
+        if len(sequences_) > engine.capacity:
+            raise BadRequest(f"this request makes {len(sequences_)} sequences, and this server holds at most "
+                             f"{engine.capacity} running or waiting: ask for fewer choices", param="n")
         job = Job(sequences_, asyncio.get_running_loop())
         try:
             engine.submit(job)
@@ -158,6 +186,8 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
         if not engine.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -180,7 +210,7 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
     async def completions(request: Request):
         body = parse(CompletionRequest, await read_body(request))
         check_model(body, served)
-        prompts = completion_prompts(body, served)
+        prompts = await run_in_threadpool(completion_prompts, body, served)  # tokenizing: off the event loop
         job = submit(sequences(body, prompts, served, body.max_tokens, default_max=16))
         ident, created = new_id("cmpl"), now()
         with_ids = body.return_token_ids or served.tokenizer is None  # without a tokenizer, ids are all there is
@@ -212,7 +242,7 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
     async def chat(request: Request):
         body = parse(ChatRequest, await read_body(request))
         check_model(body, served)
-        prompt = chat_prompt(body, served)
+        prompt = await run_in_threadpool(chat_prompt, body, served)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         job = submit(sequences(body, [prompt], served, asked, default_max=None))
         ident, created = new_id("chatcmpl"), now()
@@ -281,6 +311,25 @@ class CountRequests:
 class QueueFullAnswer(Exception):
     def __init__(self, retry_after_s: int):
         self.retry_after_s = retry_after_s
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a Host header names this machine's loopback: localhost, 127.x.x.x or [::1], any port."""
+    if host.startswith("["):                 # [::1] or [::1]:8000
+        name = host[1:host.find("]")]
+    else:                                    # name or name:port (a bare IPv6 address has no port)
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return is_loopback(name)
+
+
+def is_loopback(name: str) -> bool:
+    """Whether a host name or address is this machine's loopback."""
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def echo_text(served: ServedModel, ids: list[int]) -> str:

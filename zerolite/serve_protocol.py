@@ -70,7 +70,7 @@ class Common(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
@@ -119,8 +119,8 @@ def parse(kind: type[BaseModel], raw: bytes):
     """The request body as kind, or BadRequest naming the first thing wrong with it."""
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or bad UTF-8; a 5000-digit number; [[[[... nested past the stack
+        raise BadRequest(f"the request body is not valid JSON ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(data, dict):
         raise BadRequest(f"the request body must be a JSON object, not {type(data).__name__}")
     try:
@@ -182,18 +182,19 @@ def check_model(body: Common, served: ServedModel) -> None:
 def completion_prompts(body: CompletionRequest, served: ServedModel) -> list[list[int]]:
     """Token ids of each prompt the request holds."""
     prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
-        texts = [prompt] if isinstance(prompt, str) else prompt
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    count = len(prompt) if several else 1
+    if not prompt:
+        raise BadRequest("'prompt' is empty", param="prompt", code="empty_prompt")
+    if count * body.n > MAX_N:  # before any tokenizing: a list of 100,000 prompts costs nothing to refuse
+        raise BadRequest(f"{count} prompts with n={body.n} make {count * body.n} choices; "
+                         f"one request takes at most {MAX_N}", param="prompt")
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
         if served.tokenizer is None:
             raise BadRequest("this model has no tokenizer: give the prompt as token ids", param="prompt")
-        prompts = [served.tokenizer(text).input_ids for text in texts]
+        prompts = [served.tokenizer(text).input_ids for text in ([prompt] if isinstance(prompt, str) else prompt)]
     else:
-        prompts = [prompt] if prompt and isinstance(prompt[0], int) else prompt
-    if not prompts:
-        raise BadRequest("'prompt' is empty", param="prompt", code="empty_prompt")
-    if len(prompts) * body.n > MAX_N:
-        raise BadRequest(f"{len(prompts)} prompts with n={body.n} make {len(prompts) * body.n} choices; "
-                         f"one request takes at most {MAX_N}", param="prompt")
+        prompts = prompt if several else [prompt]
     for ids in prompts:
         check_prompt(ids, served)
     return prompts

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import signal
 import socket
 import sys
@@ -29,7 +28,7 @@ from zerolite.engine_loop import EngineLoop
 from zerolite.errors import ZeroliteError
 from zerolite.generate import context_length
 from zerolite.running_batch import cache_columns_limit, new_cache
-from zerolite.serve_app import build_app
+from zerolite.serve_app import build_app, is_loopback
 from zerolite.serve_metrics import ServeMetrics
 from zerolite.serve_protocol import ServedModel
 from zerolite.step_budget import START as STEP_BUDGET_START
@@ -62,15 +61,6 @@ def check_exposure(settings: ServeSettings) -> None:
         return
     raise ZeroliteError(f"--host {settings.host} listens beyond this machine, and there is no --api-key: give one "
                         "(or ZEROLITE_API_KEY), or --insecure if everyone who can reach the port may use the model")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -142,7 +132,8 @@ def build_server(lm, settings: ServeSettings, model: str | None) -> DrainingServ
     max_batch = settings.max_batch or auto_batch(lm, served, settings.step_tokens)
     metrics = ServeMetrics(lambda: lm.bytes_read)
     engine = EngineLoop(lm, max_batch, settings.max_queue, settings.step_tokens, metrics)
-    app = build_app(engine, served, metrics, settings.api_key, settings.max_request_bytes)
+    local_only = settings.api_key is None and not settings.insecure
+    app = build_app(engine, served, metrics, settings.api_key, settings.max_request_bytes, local_only)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(settings.drain_timeout_s + GRACE_S),
                             lifespan="off")
     return DrainingServer(config, engine, served, settings.drain_timeout_s)
@@ -158,6 +149,8 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
 
     def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            self.force_exit = True  # a second signal, of either kind: stop now (uvicorn's own does so for SIGINT only)
         self.engine.drain(self.drain_timeout_s)
         super().handle_exit(sig, frame)
 

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+GREEDY_BELOW = 1e-5   # a temperature this low is greedy (dividing by it would overflow the logits to inf)
+SEEDS = 2**64         # torch's generators take seeds modulo this
+
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 1.0        # 0: greedy
+    temperature: float = 1.0        # 0 (below GREEDY_BELOW): greedy
     top_p: float = 1.0
     top_k: int = 0                  # 0: every token
     presence_penalty: float = 0.0   # subtracted once from every token already generated
@@ -32,8 +35,9 @@ class TokenChoice:
         self.counts = torch.zeros(vocab_size) if sampling.presence_penalty or sampling.frequency_penalty else None
         self.generator = None
         self.warpers = []
-        if sampling.temperature > 0:
-            self.generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
+        if sampling.temperature >= GREEDY_BELOW:
+            seed = sampling.seed % SEEDS if sampling.seed is not None else secrets.randbits(63)
+            self.generator = torch.Generator().manual_seed(seed)
             self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
             if sampling.top_k > 0:
                 self.warpers.append(TopKLogitsWarper(sampling.top_k))
