@@ -95,6 +95,18 @@ def test_each_client_gets_the_tokens_zerolite_generate_gives_its_prompt(arch, ma
     assert steps < generated, "no step served two clients"
 
 
+@pytest.mark.cuda
+def test_the_engine_loop_runs_the_model_on_a_gpu_from_its_own_thread(make_layout, gpu):
+    prompts = random_prompts(1)[:4]
+    with zerolite.load(make_layout("llama"), offload="nvme", device=gpu, kv_offload=0.5, show_progress=False) as lm:
+        expected = [lm.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+                    for p in prompts]
+        with LiveServer(lm, ServeSettings(max_batch=3, step_tokens=8)) as server:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                answers = list(pool.map(lambda p: complete(server.url, p, True, server.served.name), prompts))
+    assert [a["ids"] for a in answers] == expected
+
+
 @pytest.fixture(scope="module")
 def chat_layout(make_source, tmp_path_factory):
     """A tiny llama with a tokenizer (one token per ASCII character) and a chat template."""

@@ -41,6 +41,10 @@ class Device:
         """The stream the model's own work is queued on (the current one)."""
         raise NotImplementedError
 
+    def adopt_thread(self) -> None:
+        """Makes this device the calling thread's current one (a thread other than the loader's,
+        such as the server's engine loop, would otherwise start on device 0)."""
+
     def new_stream(self):
         raise NotImplementedError
 
@@ -154,6 +158,9 @@ class CudaDevice(Device):
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.torch_device)
+
+    def adopt_thread(self) -> None:
+        torch.cuda.set_device(self.torch_device)
 
     def new_stream(self):
         return torch.cuda.Stream(self.torch_device)

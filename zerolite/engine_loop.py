@@ -183,6 +183,7 @@ class EngineLoop:
         return max(1, math.ceil(min(remaining, default=1) * self._step_s))
 
     def _run(self) -> None:
+        self.lm.device.adopt_thread()
         while True:
             with self._wake:
                 while not self._stopped and not self._waiting and not self.batch.rows:
