@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     BloomConfig,
     GPT2Config,
@@ -16,6 +17,17 @@ from transformers import (
 )
 
 VOCAB = 128
+
+
+# Mixtures of experts: 8 experts, 2 per token, experts narrower than the attention (qwen2_moe with its
+# shared expert beside them).
+MOE_SHAPES = {
+    "mixtral": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=24, shared_expert_intermediate_size=48, num_experts=8,
+                      num_experts_per_tok=2),
+    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, head_dim=16),
+    "olmoe": dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2),
+}
 
 
 def tiny_config(arch: str, layers: int = 3, tie: bool = True, **overrides) -> PretrainedConfig:
@@ -35,6 +47,10 @@ def tiny_config(arch: str, layers: int = 3, tie: bool = True, **overrides) -> Pr
                                               max_position_embeddings=256, word_embed_proj_dim=64)
     elif arch == "gpt2":
         config_class, shape = GPT2Config, dict(n_embd=64, n_layer=layers, n_head=4, n_positions=256)
+    elif arch in MOE_SHAPES:
+        attention = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256)
+        return AutoConfig.for_model(arch, **{**common, **attention, **MOE_SHAPES[arch], **overrides})
     else:
         raise ValueError(arch)
     # Constructor arguments, not attributes set afterwards: configs derive fields (head_dim) from them.
