@@ -51,8 +51,11 @@ def greedy(model_or_lm, rows: list[list[int]], device):
 
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, make_source, make_layout):
+    return layout_and_reference(request.param, make_source, make_layout)
+
+
+def layout_and_reference(arch: str, make_source, make_layout):
     """A tiny random model of one architecture: its layout, and transformers' own outputs per device."""
-    arch = request.param
     source = make_source(arch, layers=LAYERS)
     references = {}
 

@@ -5,31 +5,14 @@ one prompt and a padded batch, from disk and from host memory, at every ring dep
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from test_executor import BATCH, NEW_TOKENS, SETUPS, SINGLE, check_equal, greedy
+from test_executor import NEW_TOKENS, SETUPS, check_equal, layout_and_reference
 from tiny_models import MOE_SHAPES
-
-LAYERS = 6
 
 
 @pytest.fixture(scope="module", params=list(MOE_SHAPES))
 def tiny(request, make_source, make_layout):
-    arch = request.param
-    source = make_source(arch, layers=LAYERS)
-    references = {}
-
-    def reference(device: str):
-        if device not in references:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
-            with torch.no_grad():  # aligned copies, as test_executor's reference takes them
-                for param in model.parameters():
-                    param.data = param.data.clone()
-            references[device] = [greedy(model, rows, device) for rows in (SINGLE, BATCH)]
-        return references[device]
-
-    return make_layout(arch, layers=LAYERS), reference
+    return layout_and_reference(request.param, make_source, make_layout)
 
 
 def test_the_tiny_experts_are_routed_apart(tiny):
