@@ -139,9 +139,6 @@ class OffloadedLM:
         try:
             return self.model.generate(*args, **kwargs)
         except BaseException:
-            # Copies still queued (the K/V appends of the layers that ran) must land before the
-            # buffers they touch are freed or refilled.
-            self.device.synchronize()
             self.executor.recover()
             raise
         finally:

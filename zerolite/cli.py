@@ -16,7 +16,7 @@ import typer
 from typer.exceptions import TyperException
 from rich.table import Table
 
-from zerolite.errors import ZeroliteError
+from zerolite.errors import ZeroliteError, describe
 from zerolite.progress import stderr
 
 app = typer.Typer(
@@ -407,7 +407,7 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         fail("interrupted", debug, code=130)
     except Exception as e:  # a bug, not bad input: still one line unless asked for more
-        fail(f"internal error: {type(e).__name__}: {' '.join(str(e).split())} (rerun with --debug for the traceback)", debug)
+        fail(f"internal error: {describe(e)} (rerun with --debug for the traceback)", debug)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -26,6 +26,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
+from zerolite.errors import describe
 from zerolite.running_batch import Row, RunningBatch
 from zerolite.serve_metrics import ServeMetrics
 from zerolite.step_budget import StepBudget
@@ -195,8 +196,8 @@ class EngineLoop:
             except Exception as e:  # a failed turn fails its rows; the server goes on with the next requests
                 traceback.print_exc(file=sys.stderr)
                 with self._wake:
-                    self._fail_all(Failed(f"internal error in a step: {type(e).__name__}: {' '.join(str(e).split())}",
-                                          500, "internal_error"), waiting_too=False)
+                    self._fail_all(Failed(f"internal error in a step: {describe(e)}", 500, "internal_error"),
+                                   waiting_too=False)
 
     def _turn(self) -> None:
         with self._wake:
@@ -228,9 +229,8 @@ class EngineLoop:
         except Exception as e:
             # Neither running nor waiting now: their requests hear of it here (the running ones, whose
             # cache the half-done add left uneven, from the turn's failure).
-            failure = Failed(f"internal error joining the batch: {type(e).__name__}: {' '.join(str(e).split())}",
-                             500, "internal_error")
-            for request in {id(row.owner.request): row.owner.request for row in joining}.values():
+            failure = Failed(f"internal error joining the batch: {describe(e)}", 500, "internal_error")
+            for request in {row.owner.request for row in joining}:
                 request.post(failure)
             self.metrics.sequences.labels("error").inc(len(joining))
             raise
@@ -251,8 +251,7 @@ class EngineLoop:
                     leaving.append(row)
             except Exception as e:
                 traceback.print_exc(file=sys.stderr)
-                failed[request] = Failed(f"internal error choosing a token: {type(e).__name__}: "
-                                         f"{' '.join(str(e).split())}", 500, "internal_error")
+                failed[request] = Failed(f"internal error choosing a token: {describe(e)}", 500, "internal_error")
         with self._wake:
             leaving += [row for row in self.batch.rows if row.owner.request in failed and row not in leaving]
             self.batch.remove(leaving)
@@ -298,7 +297,7 @@ class EngineLoop:
         self.batch.reset()
         if waiting_too:
             self._waiting.clear()
-        for request in {id(s.request): s.request for s in sequences}.values():
+        for request in {s.request for s in sequences}:
             request.post(failure)
         self.metrics.sequences.labels("error").inc(len(sequences))
         self._count()

@@ -5,5 +5,10 @@ escapes is a bug and gets a traceback only with --debug.
 """
 
 
+def describe(error: BaseException) -> str:
+    """An unexpected error on one line: its type and its message, whitespace folded."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
 class ZeroliteError(Exception):
     """Bad input or a damaged file: `str(error)` is one line naming the problem and the fix."""

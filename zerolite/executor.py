@@ -136,7 +136,9 @@ class Executor:
         self.schedule.end_forward()
 
     def recover(self) -> None:
-        """After a forward that raised half-way: unbind what was running and free its slots."""
+        """After a forward that raised half-way: unbind what was running and free its slots, once
+        the copies still queued (a layer's K/V appends) have landed in the buffers that frees."""
+        self.device.synchronize()
         for name in list(self._running):
             self._running.pop(name).__exit__(None, None, None)
         if self._step is not None:

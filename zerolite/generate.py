@@ -271,10 +271,15 @@ def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
     return input_ids, attention_mask
 
 
+def end_token_ids(config) -> frozenset[int]:
+    """The generation config's end-of-sequence ids (one id, a list, or none)."""
+    eos = config.eos_token_id
+    return frozenset(eos if isinstance(eos, list) else [eos]) - {None}
+
+
 def finish(lm: OffloadedLM, prompt: Prompt, new_ids: list[int], config) -> Completion:
     """Cuts a row's new tokens after its first end-of-sequence token (generate pads the rest)."""
-    eos = config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    eos_ids = end_token_ids(config)
     reason = "length"
     for k, token in enumerate(new_ids):
         if token in eos_ids:

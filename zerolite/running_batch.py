@@ -37,6 +37,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from zerolite.errors import ZeroliteError
+from zerolite.generate import pad_id
 from zerolite.kv_cache import PartialOffloadCache
 
 
@@ -60,9 +61,7 @@ class RunningBatch:
         self._takes_positions = "position_ids" in forward
         self._keeps_logits = "logits_to_keep" in forward
         self.max_columns = cache_columns_limit(new_cache(lm))
-        self.pad_id = self.model.generation_config.pad_token_id
-        if self.pad_id is None or isinstance(self.pad_id, list):
-            self.pad_id = 0  # a masked column's id is never looked at, only embedded
+        self.pad_id = pad_id(lm, self.model.generation_config)  # a masked column's: embedded, never attended to
 
     @property
     def width(self) -> int:
@@ -132,7 +131,6 @@ class RunningBatch:
             try:
                 logits = self.model(**inputs).logits[:, -1, :].float().cpu()  # one copy for every row's choice
             except BaseException:
-                self.lm.device.synchronize()  # K/V copies of the layers that ran land before anything is freed
                 self.lm.executor.recover()
                 raise
         self._close_holes(width, chunk, feeds)

@@ -105,15 +105,13 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
                              f"{engine.capacity} running or waiting: ask for fewer choices", param="n")
         job = Job(sequences_, asyncio.get_running_loop())
         try:
-            engine.submit(job)
-        except QueueFull as e:
-            raise QueueFullAnswer(e.retry_after_s) from None
+            engine.submit(job)  # QueueFull goes to its own handler below
         except ShuttingDown:
             raise BadRequest("the server is shutting down: send the request elsewhere or later", 503, "shutting_down") from None
         return job
 
-    @app.exception_handler(QueueFullAnswer)
-    async def queue_full(_: Request, e: QueueFullAnswer) -> JSONResponse:
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, e: QueueFull) -> JSONResponse:
         return fail(429, f"the server is busy ({engine.max_queue} sequences already wait): retry after "
                          f"{e.retry_after_s} s", "queue_full", headers={"Retry-After": str(e.retry_after_s)})
 
@@ -225,16 +223,12 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
                     "choices": [choice]}
 
         if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
-            return stream(job, frame, lambda i: frame(i, echoed[i], None, None) if echoed[i] else None, include, prompt_tokens,
-                          with_ids)
+            return stream(job, frame, lambda i: frame(i, echoed[i], None, None) if echoed[i] else None, body.usage_chunk,
+                          prompt_tokens, with_ids)
         texts, ids, reasons, failure = await whole(job, request)
         if failure is not None:
             return fail(failure.status, failure.message, failure.code)
-        choices = []
-        for i in range(len(texts)):
-            choice = frame(i, echoed[i] + texts[i], reasons[i], ids[i])["choices"][0]
-            choices.append(choice)
+        choices = [frame(i, echoed[i] + texts[i], reasons[i], ids[i])["choices"][0] for i in range(len(texts))]
         return JSONResponse({"id": ident, "object": "text_completion", "created": created, "model": served.name,
                              "choices": choices, "usage": usage(prompt_tokens, sum(map(len, ids)))})
 
@@ -246,7 +240,6 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         job = submit(sequences(body, [prompt], served, asked, default_max=None))
         ident, created = new_id("chatcmpl"), now()
-        include = body.stream_options is not None and body.stream_options.include_usage
 
         def frame(index, piece, reason, ids):
             delta = {"content": piece} if piece is not None else {}
@@ -255,7 +248,7 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
                 choice["token_ids"] = ids
             chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": served.name,
                      "choices": [choice]}
-            if include:
+            if body.usage_chunk:
                 chunk["usage"] = None  # as OpenAI: only the last chunk carries usage
             return chunk
 
@@ -265,7 +258,7 @@ def build_app(engine: EngineLoop, served: ServedModel, metrics: ServeMetrics, ap
             return chunk
 
         if body.stream:
-            return stream(job, frame, opening, include, len(prompt), body.return_token_ids)
+            return stream(job, frame, opening, body.usage_chunk, len(prompt), body.return_token_ids)
         texts, ids, reasons, failure = await whole(job, request)
         if failure is not None:
             return fail(failure.status, failure.message, failure.code)
@@ -306,11 +299,6 @@ class CountRequests:
             route = scope.get("route")
             self.metrics.requests.labels(route.path if route is not None else "other",
                                          str(status[0]) if status else "none").inc()
-
-
-class QueueFullAnswer(Exception):
-    def __init__(self, retry_after_s: int):
-        self.retry_after_s = retry_after_s
 
 
 def is_loopback_host(host: str) -> bool:

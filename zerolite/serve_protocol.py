@@ -76,6 +76,11 @@ class Common(BaseModel):
     return_token_ids: bool = False
     ignore_eos: bool = False
 
+    @property
+    def usage_chunk(self) -> bool:
+        """A stream ends with a chunk carrying usage (stream_options.include_usage)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(Common):
     prompt: str | list[str] | list[int] | list[list[int]]

@@ -26,7 +26,7 @@ import uvicorn
 from zerolite.batching import largest_batch
 from zerolite.engine_loop import EngineLoop
 from zerolite.errors import ZeroliteError
-from zerolite.generate import context_length
+from zerolite.generate import context_length, end_token_ids
 from zerolite.running_batch import cache_columns_limit, new_cache
 from zerolite.serve_app import build_app, is_loopback
 from zerolite.serve_metrics import ServeMetrics
@@ -86,13 +86,11 @@ def served_model(lm, settings: ServeSettings, model: str | None) -> ServedModel:
     if window is not None and window < context:
         print(f"zerolite: serving at most {window} tokens per sequence: the model's sliding window", file=sys.stderr)
         context = window
-    eos = lm.generation_config.eos_token_id
-    eos_ids = frozenset(e for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
     return ServedModel(
         name=settings.served_name or default_name(model),
         tokenizer=lm.tokenizer,
         vocab_size=config.vocab_size,
-        eos_ids=eos_ids,
+        eos_ids=end_token_ids(lm.generation_config),
         context=context,
         max_tokens=min(settings.max_tokens or context, context),
         max_prompt_tokens=context - 1,
