@@ -16,6 +16,7 @@ import shutil
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from zerolite.blocks import BlockPartition, partition, stored_tensors
 from zerolite.checkpoint import DTYPE_CHOICES, Checkpoint, build_meta_model, iter_block_tensors, one_line
 from zerolite.errors import ZeroliteError
 from zerolite.io import aligned_empty
-from zerolite.manifest import DATA_FILE, MANIFEST, BlockEntry, Manifest, pack
+from zerolite.experts import Experts, find_experts
+from zerolite.manifest import DATA_FILE, MANIFEST, BlockEntry, ExpertArea, Manifest, TensorEntry, pack, pack_experts
 from zerolite.policy import default_layout_path
 from zerolite.progress import byte_progress
 from zerolite.quantize import LinearShape, WeightScheme, quantizable_linears
@@ -71,7 +73,7 @@ def convert(
                 "choose another --path, or delete that folder to convert into it"
             )
         if (existing and existing.source["fingerprint"] == source["fingerprint"] and existing.dtype == dtype_name
-                and existing.quantization == quantization):
+                and existing.quantization == quantization and same_extents(existing, planned)):
             return existing
         (out / MANIFEST).unlink(missing_ok=True)  # from here on the layout is not whole
 
@@ -120,15 +122,43 @@ def choose_dtype(dtype: str | None, config) -> torch.dtype:
 def plan_extents(meta_model, blocks: BlockPartition, scheme: WeightScheme | None = None,
                  targets: dict[str, LinearShape] | None = None) -> dict[str, BlockEntry]:
     """Every block's place in the data file, from shapes alone (checksums still zero), as the
-    scheme quantizes them."""
+    scheme quantizes them. A layer whose experts take their routing keeps each expert in an
+    extent of its own after the layer's dense part (zerolite.experts)."""
     tensors = stored_tensors(meta_model)
     planned, offset = {}, 0
     for block in blocks.blocks:
         stored = {name: tensors[name] for name in block.tensor_names}
-        entries, length = pack(scheme.meta_tensors(stored, targets) if scheme else stored)
-        planned[block.name] = BlockEntry(block.name, offset, length, 0, tuple(entries))
+        experts = routed_experts(meta_model, blocks.layers_path, block.name)
+        prefix = f"{blocks.layers_path}.{block.name.removeprefix('layers.')}.{experts.path}." if experts else None
+        fused = {name: t for name, t in stored.items() if prefix and name.startswith(prefix)}
+        dense = {name: t for name, t in stored.items() if name not in fused}
+        entries, length = pack(scheme.meta_tensors(dense, targets) if scheme else dense)
+        area = None
+        if fused:
+            expert_entries, stride = pack_experts(fused, length)
+            area = ExpertArea(experts.path, length, stride, experts.count, 0, (0,) * experts.count)
+            entries += expert_entries
+            length += experts.count * stride
+        planned[block.name] = BlockEntry(block.name, offset, length, 0, tuple(entries), area)
         offset += length
     return planned
+
+
+def routed_experts(meta_model, layers_path: str, block_name: str) -> Experts | None:
+    """The layer's experts, where a step can read only those its router picks."""
+    if not block_name.startswith("layers."):
+        return None
+    experts = find_experts(meta_model.get_submodule(f"{layers_path}.{block_name.removeprefix('layers.')}"))
+    return experts if experts is not None and experts.routed else None
+
+
+def same_extents(existing: Manifest, planned: dict[str, BlockEntry]) -> bool:
+    """The layout places every tensor where this zerolite would (one converted before experts had
+    extents of their own is converted again, to stream per expert)."""
+    def places(block: BlockEntry):
+        return block.name, block.offset, block.length, block.tensors, block.experts and block.experts.stride
+
+    return [places(b) for b in existing.blocks] == [places(b) for b in planned.values()]
 
 
 def data_bytes(planned: dict[str, BlockEntry]) -> int:
@@ -261,7 +291,8 @@ def write_block(fd: int, planned: BlockEntry, tensors: dict[str, torch.Tensor], 
         tensor = tensors[entry.name].contiguous()
         if str(tensor.dtype).removeprefix("torch.") != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise ZeroliteError(f"{entry.name} came out of the checkpoint as {tensor.dtype} {tuple(tensor.shape)}, expected {entry.dtype} {entry.shape}")
-        buffer[entry.offset : entry.offset + entry.nbytes] = tensor.reshape(-1).view(torch.uint8)
+        for start, piece in tensor_pieces(entry, tensor):
+            buffer[start : start + piece.nbytes] = piece.reshape(-1).view(torch.uint8)
     data = buffer.numpy()
     try:
         written = os.pwrite(fd, data, planned.offset)
@@ -272,7 +303,18 @@ def write_block(fd: int, planned: BlockEntry, tensors: dict[str, torch.Tensor], 
         raise ZeroliteError(f"writing {out / DATA_FILE} failed: {one_line(e)}; free space or choose another --path, then convert again (finished blocks are kept)") from e
     # Written once, read back later with O_DIRECT: keep it out of the page cache.
     os.posix_fadvise(fd, planned.offset, planned.length, os.POSIX_FADV_DONTNEED)
-    return BlockEntry(planned.name, planned.offset, planned.length, zlib.crc32(data), planned.tensors)
+    area = planned.experts
+    if area is not None:
+        crc32s = tuple(zlib.crc32(data[start:start + length]) for start, length in map(area.extent, range(area.count)))
+        area = dataclasses.replace(area, dense_crc32=zlib.crc32(data[:area.offset]), crc32s=crc32s)
+    return BlockEntry(planned.name, planned.offset, planned.length, zlib.crc32(data), planned.tensors, area)
+
+
+def tensor_pieces(entry: TensorEntry, tensor: torch.Tensor):
+    """(offset in the block, bytes) of the tensor: whole, or each expert's slice in its extent."""
+    if not entry.expert_stride:
+        return [(entry.offset, tensor)]
+    return [(entry.offset + expert * entry.expert_stride, tensor[expert]) for expert in range(entry.shape[0])]
 
 
 def write_atomically(path: Path, text: str) -> None:

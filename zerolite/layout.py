@@ -44,9 +44,14 @@ class Layout:
 
 
 def tensor_views(block: BlockEntry, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The block's tensors as views of the bytes in buffer: no copy."""
+    """The block's tensors as views of the bytes in buffer: no copy. A fused expert tensor whose
+    experts lie in extents of their own is a strided view over them."""
     views = {}
     for t in block.tensors:
-        raw = buffer[t.offset : t.offset + t.nbytes]
-        views[t.name] = raw.view(DTYPES[t.dtype]).view(t.shape)
+        raw = buffer[t.offset : t.offset + t.span].view(DTYPES[t.dtype])
+        if t.expert_stride:
+            inner = torch.empty(t.shape[1:], device="meta").stride()
+            views[t.name] = raw.as_strided(t.shape, (t.expert_stride // raw.element_size(), *inner))
+        else:
+            views[t.name] = raw.view(t.shape)
     return views

@@ -43,11 +43,38 @@ class TensorEntry:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    offset: int  # bytes from the start of the block
+    offset: int  # bytes from the start of the block (for a fused expert tensor: of expert 0's slice)
+    expert_stride: int = 0  # a fused expert tensor stored one slice per expert extent: bytes from one
+                            # expert's slice to the next; 0 for a tensor stored in one piece
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @property
+    def span(self) -> int:
+        """Bytes from the tensor's first byte to its last, padding between experts' slices included."""
+        if not self.expert_stride:
+            return self.nbytes
+        return (self.shape[0] - 1) * self.expert_stride + self.nbytes // self.shape[0]
+
+
+@dataclass(frozen=True)
+class ExpertArea:
+    """The tail of a layer's block where a mixture's experts lie, one 4 KiB-aligned extent each,
+    holding that expert's slice of every fused expert tensor: a step reads only the experts its
+    router picks. The bytes before offset (attention, norms, router, shared experts) are the
+    layer's dense part."""
+    module: str                 # the experts module, from the layer: "mlp.experts"
+    offset: int                 # bytes from the start of the block to expert 0's extent
+    stride: int                 # bytes per expert extent
+    count: int
+    dense_crc32: int            # of the bytes before offset
+    crc32s: tuple[int, ...]     # of each expert's extent
+
+    def extent(self, expert: int) -> tuple[int, int]:
+        """(start in the block, length) of one expert's bytes."""
+        return self.offset + expert * self.stride, self.stride
 
 
 @dataclass(frozen=True)
@@ -57,12 +84,21 @@ class BlockEntry:
     length: int   # bytes, 4 KiB aligned (zero padded)
     crc32: int    # of all `length` bytes
     tensors: tuple[TensorEntry, ...]
+    experts: ExpertArea | None = None  # where a mixture-of-experts layer's experts lie apart
+
+    @property
+    def dense_length(self) -> int:
+        """Bytes a step always needs: the whole block, or a mixture's part before its experts."""
+        return self.experts.offset if self.experts else self.length
 
     @classmethod
     def from_dict(cls, raw: dict) -> BlockEntry:
         """From its JSON form (the manifest's and the convert journal's): lists become tuples."""
         tensors = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"])
-        return cls(**{**raw, "tensors": tensors})
+        experts = raw.get("experts")
+        if experts is not None:
+            experts = ExpertArea(**{**experts, "crc32s": tuple(experts["crc32s"])})
+        return cls(**{**raw, "tensors": tensors, "experts": experts})
 
 
 @dataclass(frozen=True)
@@ -141,8 +177,14 @@ class Manifest:
                     raise ValueError(f"bad tensor entry {tensor.name!r} in block {block.name}")
                 if any(not isinstance(d, int) or d < 0 for d in tensor.shape):
                     raise ValueError(f"bad shape for {tensor.name}")
-                if tensor.offset < 0 or tensor.offset + tensor.nbytes > block.length:
+                if tensor.offset < 0 or tensor.offset + tensor.span > block.length:
                     raise ValueError(f"{tensor.name} lies outside block {block.name}")
+            if block.experts is not None:
+                area = block.experts
+                if (not NAME.fullmatch(area.module) or area.offset % ALIGNMENT or area.stride % ALIGNMENT
+                        or area.count < 1 or len(area.crc32s) != area.count
+                        or area.offset + area.count * area.stride != block.length):
+                    raise ValueError(f"block {block.name} has a bad expert area")
         stored = {t.name for b in self.blocks for t in b.tensors}
         for alias, target in self.aliases.items():
             if not NAME.fullmatch(alias) or target not in stored:
@@ -153,8 +195,31 @@ def pack(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
     """Places tensors one after another, each TENSOR_ALIGNMENT aligned; returns entries and block length."""
     entries, cursor = [], 0
     for name, tensor in tensors.items():
-        cursor = -(-cursor // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
-        entry = TensorEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), cursor)
+        cursor = round_up(cursor, TENSOR_ALIGNMENT)
+        entry = TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), cursor)
         entries.append(entry)
         cursor += entry.nbytes
-    return entries, -(-cursor // ALIGNMENT) * ALIGNMENT
+    return entries, round_up(cursor, ALIGNMENT)
+
+
+def pack_experts(tensors: dict[str, torch.Tensor], start: int) -> tuple[list[TensorEntry], int]:
+    """Places fused expert tensors ([experts, ...] each) from start (4 KiB aligned) on: one extent
+    per expert, holding its slice of every tensor, each slice TENSOR_ALIGNMENT aligned; returns
+    the entries and the extents' stride."""
+    slices, cursor = {}, 0
+    for name, tensor in tensors.items():
+        cursor = round_up(cursor, TENSOR_ALIGNMENT)
+        slices[name] = cursor
+        cursor += tensor[0].numel() * tensor.dtype.itemsize
+    stride = round_up(cursor, ALIGNMENT)
+    entries = [TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), start + slices[name], stride)
+               for name, tensor in tensors.items()]
+    return entries, stride
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
