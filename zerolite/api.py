@@ -27,6 +27,7 @@ from zerolite.draft import (SELF_DRAFTS, check_draft_fits, check_same_vocabulary
                             quantize_head, ring_depth)
 from zerolite.errors import ZeroliteError
 from zerolite.executor import Executor
+from zerolite.expert_counts import ExpertCounts
 from zerolite.io import IoEngine
 from zerolite.kv_cache import PartialOffloadCache
 from zerolite.layout import Layout
@@ -77,6 +78,10 @@ class OffloadedLM:
     @property
     def bytes_read(self) -> int:
         return self.executor.bytes_read
+
+    def expert_counts(self) -> ExpertCounts:
+        """Running totals of a mixture streamed per expert (zerolite.expert_counts)."""
+        return self.executor.expert_counts()
 
     @property
     def plan(self) -> Plan:
@@ -244,6 +249,8 @@ def load(
         loaded = [layout.manifest.block(name) for name in plan.loaded]
         with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
             executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE)
+        if executor.experts_note:
+            print(f"zerolite: {executor.experts_note}", file=sys.stderr)
     except BaseException:
         if draft_lm is not None:
             draft_lm.close()

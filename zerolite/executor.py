@@ -7,6 +7,10 @@ forward code runs unchanged, so any architecture transformers has works.
 
 While block i computes, the blocks the schedule expects next are already being read (and, where
 the device has memory of its own, copied), up to prefetch_depth - 1 ahead.
+
+A mixture's layer laid out per expert streams its dense part that way; its experts module's
+forward pre-hook then brings only the experts the step's router picked (Executor.routing), and
+guesses the next layer's, so that their reads start early (zerolite.expert_guess).
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from zerolite.binding import BlockBinding
 from zerolite.checkpoint import build_meta_model
 from zerolite.device import Device
+from zerolite.errors import ZeroliteError
+from zerolite.expert_cache import ExpertCache
+from zerolite.expert_counts import ExpertCounts
+from zerolite.expert_guess import ExpertGuess
+from zerolite.experts import find_experts
 from zerolite.io import IoEngine
 from zerolite.layout import Layout
 from zerolite.manifest import DTYPES
@@ -66,8 +75,15 @@ class Executor:
         # some disks (virtual ones) serve the run that follows up to 2x slower.
         self.load_read_gbps = self._loaded_bytes / max(time.perf_counter() - started, 1e-9) / 1e9
         slot_bytes = max((manifest.block(name).length for name in plan.streamed), default=0)
+        self.per_expert, self.experts_note = streamed_per_expert(self.model, layout, plan, policy, device)
+        self.expert_cache = (ExpertCache(plan.expert_cache, device.pinned_empty)
+                             if self.per_expert and plan.expert_cache else None)
         self.slots = Slots(manifest, self.disk if plan.on_disk else None, memory, policy.prefetch_depth, device,
-                           slot_bytes, timeline)
+                           slot_bytes, timeline, self.per_expert, self.expert_cache)
+        self.guess = ExpertGuess(self.model, manifest, self.per_expert)
+        layers = manifest.layer_names
+        self._next_layer = {a: b for a, b in zip(layers, layers[1:]) if a in self.per_expert and b in self.per_expert}
+        self._routed: set[str] = set()  # layers streamed per expert whose experts were called with their routing
         self.schedule = Schedule(list(plan.streamed))
         # (fetches, appends) for every K/V cache it offloads
         self.kv_streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None
@@ -79,9 +95,12 @@ class Executor:
         self._steps = 0
         self._hooks = []
         for name in plan.streamed:
-            module = self.model.get_submodule(f"{manifest.layers_path}.{name.removeprefix('layers.')}")
+            module = self.model.get_submodule(layer_path(manifest, name))
             self._hooks.append(module.register_forward_pre_hook(self._enter(name)))
             self._hooks.append(module.register_forward_hook(self._leave(name)))
+        for name in self.per_expert:
+            experts = self.model.get_submodule(layer_path(manifest, name) + "." + manifest.block(name).experts.module)
+            self._hooks.append(experts.register_forward_pre_hook(self._route(name)))
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._start_step()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end_step()))
 
@@ -89,6 +108,12 @@ class Executor:
     def bytes_read(self) -> int:
         """Bytes streamed from disk since loading finished."""
         return self.disk.bytes_read - self._loaded_bytes
+
+    def expert_counts(self) -> ExpertCounts:
+        """Running totals of streaming per expert: expert bytes read, cache hits, guesses."""
+        cache = self.expert_cache
+        return ExpertCounts(self.slots.expert_bytes_read, cache.hits if cache else 0,
+                            cache.hits + cache.misses if cache else 0, self.guess.made, self.guess.right)
 
     @contextmanager
     def running(self, name: str):
@@ -111,6 +136,32 @@ class Executor:
             self._bindings[name].unbind()
             self.slots.release(name)
 
+    def routing(self, name: str, hidden: torch.Tensor, chosen: torch.Tensor) -> None:
+        """A mixture's layer streamed per expert, its router having picked (chosen: [tokens, k]):
+
+        1. the experts to bring: the union over every position (padding included: its outputs
+           must be finite too, or attention's zero weights on them would still make NaN)
+        2. ask for them: those not here already (guessed, cached) start reading now
+        3. guess the next layer's from these hidden states; read them too while guesses hold up
+        4. wait for this layer's
+        """
+        routed = sorted(set(chosen.flatten().tolist()))
+        self.guess.score(name, routed)
+        self.slots.want_experts(name, routed)
+        upcoming = self._next_layer.get(name)
+        if upcoming is not None and self.guess.can_guess(upcoming) and self.slots.ready(upcoming):
+            guessed = self.guess.next(upcoming, self.slots.dense_bytes(upcoming), hidden, chosen.shape[-1])
+            if self.guess.reliable:
+                self.slots.want_experts(upcoming, guessed)
+        self.slots.wait_experts(name, routed)
+        self._routed.add(name)
+
+    def _route(self, name: str):
+        def before(module: nn.Module, args) -> None:
+            self.routing(name, args[0], args[1])
+
+        return before
+
     def _enter(self, name: str):
         def before(module: nn.Module, args) -> None:
             context = self.running(name)
@@ -122,6 +173,12 @@ class Executor:
     def _leave(self, name: str):
         def after(module: nn.Module, args, output) -> None:
             self._running.pop(name).__exit__(None, None, None)
+            if name in self.per_expert and name not in self._routed:
+                raise ZeroliteError(
+                    f"{name}'s experts ran without being called with their routing (a kernel replaced transformers' "
+                    "mixture forward?), so zerolite could not bring the ones they used: load with --experts whole"
+                )
+            self._routed.discard(name)
 
         return after
 
@@ -141,6 +198,7 @@ class Executor:
         self.device.synchronize()
         for name in list(self._running):
             self._running.pop(name).__exit__(None, None, None)
+        self._routed.clear()
         if self._step is not None:
             self._end_step()
 
@@ -151,6 +209,37 @@ class Executor:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def layer_path(manifest, name: str) -> str:
+    return f"{manifest.layers_path}.{name.removeprefix('layers.')}"
+
+
+def streamed_per_expert(model: nn.Module, layout: Layout, plan: Plan, policy: Policy,
+                        device: Device) -> tuple[frozenset[str], str | None]:
+    """The streamed layers whose experts move apart from their dense part: a mixture's layers
+    laid out per expert whose experts take their routing, where a step moves their bytes at all
+    (on a CPU a layer held in host memory moves nothing). And, where a mixture's layers must
+    stream whole instead, one line saying why."""
+    if policy.experts == "whole":
+        return frozenset(), None
+    per_expert, why = [], None
+    for name in plan.streamed:
+        if name not in plan.on_disk and not device.separate_memory:
+            continue
+        experts = find_experts(model.get_submodule(layer_path(layout.manifest, name)))
+        area = layout.manifest.block(name).experts
+        if experts is None:
+            continue
+        if not experts.routed:
+            why = f"its experts module ({experts.kind}) is not called with the router's choice"
+        elif area is None or area.module != experts.path:
+            why = (f"the layout at {layout.folder} keeps each layer's experts together: convert the model again "
+                   f"(zerolite convert MODEL --path {layout.folder}) to read only the experts the router picks")
+        else:
+            per_expert.append(name)
+    note = f"{layout.manifest.model_type}'s layers stream whole, every expert at every step: {why}" if why else None
+    return frozenset(per_expert), note
 
 
 def build_model(layout: Layout, device: torch.device) -> nn.Module:

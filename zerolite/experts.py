@@ -28,13 +28,14 @@ class Experts:
 
 def find_experts(layer: nn.Module) -> Experts | None:
     """The layer's experts module: one with an integer num_experts whose every weight is stacked
-    [num_experts, ...]; None for a dense layer (and the dense layers of mixed models)."""
+    [num_experts, ...], some of them matrices per expert (a router's [num_experts, hidden] weight
+    is not); None for a dense layer (and the dense layers of mixed models)."""
     for path, module in layer.named_modules():
         count = getattr(module, "num_experts", None)
         tensors = list(module.parameters(recurse=False))
         if not isinstance(count, int) or count < 2 or not tensors:
             continue
-        if all(t.dim() >= 2 and t.shape[0] == count for t in tensors) and not list(module.children()):
+        if all(t.dim() >= 2 and t.shape[0] == count for t in tensors) and any(t.dim() >= 3 for t in tensors):
             return Experts(path, count, routed=is_routed(module), kind=type(module).__name__)
     return None
 

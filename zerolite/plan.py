@@ -25,6 +25,7 @@ class Plan:
     resident: tuple[str, ...]   # bound once, on the device
     streamed: tuple[str, ...]   # through the slots, in layer order
     on_disk: tuple[str, ...]    # the streamed blocks read from the layout at every forward
+    expert_cache: int = 0       # bytes of host memory keeping experts read from disk across steps
 
     @classmethod
     def make(cls, manifest: Manifest, policy: Policy, budgets: Budgets, host_cost=lambda nbytes: nbytes) -> Plan:
@@ -46,7 +47,11 @@ class Plan:
         rest = layers[len(on_device):]
         in_memory = rest if policy.offload == "cpu" else rest[: budgets.host // host_cost(widest)]
         resident = tuple(name for name in names if name in always or name in on_device)
-        return cls(resident, tuple(rest), tuple(rest[len(in_memory):]))
+        on_disk = tuple(rest[len(in_memory):])
+        # What the layers held whole leave of the host budget keeps experts read from disk instead.
+        routed = policy.experts == "routed" and any(manifest.block(name).experts for name in on_disk)
+        cache = budgets.host - len(in_memory) * host_cost(widest) if routed else 0
+        return cls(resident, tuple(rest), on_disk, max(cache, 0))
 
     @property
     def in_memory(self) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from zerolite.device import Device, cuda_available, resolve
 from zerolite.errors import ZeroliteError
 
 OFFLOAD_CHOICES = ("nvme", "cpu", "none")
+EXPERTS_CHOICES = ("routed", "whole")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class Policy:
     gpu_memory: int | None = None      # bytes of blocks kept resident on the GPU; None: what is free, less headroom
     cpu_memory: int | None = None      # bytes of layers kept in host memory (--offload nvme); None: likewise
     kv_offload: float = 0.0            # fraction of the layers whose K/V cache lives in host memory
+    experts: str = "routed"            # a mixture of experts' layers: "routed" moves only the experts the
+                                       # router picks, "whole" every expert, as a dense layer streams
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
@@ -42,6 +45,8 @@ class Policy:
                     f"--device {self.device} asked for, but this machine has no usable CUDA device "
                     "(PyTorch sees no CUDA device): use --device cpu"
                 )
+        if self.experts not in EXPERTS_CHOICES:
+            raise ZeroliteError(f"unknown --experts {self.experts!r}: choose one of {', '.join(EXPERTS_CHOICES)}")
         if self.prefetch_depth < 1:
             raise ZeroliteError(f"--prefetch-depth must be at least 1, got {self.prefetch_depth}")
         for flag, budget in (("--gpu-memory", self.gpu_memory), ("--cpu-memory", self.cpu_memory)):

@@ -35,10 +35,10 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device) -> lis
         # really takes (RLIMIT_MEMLOCK does not bound cudaHostRegister, so it says nothing here).
         in_memory = sum(device.pinned_cost(manifest.block(name).length) for name in plan.in_memory)
         staging = 2 * device.pinned_cost(STAGING_BYTES) if plan.resident else 0
-        host_needed = max(staging, in_memory + host_slots)
+        host_needed = max(staging, in_memory + host_slots + device.pinned_cost(plan.expert_cache))
         what = "pins"
     else:
-        host_needed = resident + manifest.nbytes(plan.in_memory) + host_slots
+        host_needed = resident + manifest.nbytes(plan.in_memory) + host_slots + plan.expert_cache
         what = "holds"
     if host_needed > available:
         if policy.offload == "none":

@@ -13,21 +13,37 @@ of their own, ordered by events: compute waits for the copy, the next copy into 
 compute, and the engine reads into a host buffer only once the copy from it is done. On a CPU
 device the host bytes are what compute uses: no copy at all.
 
+A mixture's layer streamed per expert (zerolite.experts) comes in two parts: want() brings its
+dense part; want_experts() and wait_experts() bring the experts a step's router picked (or a guess
+at them) into their places in the same slot, from the expert cache, the block's memory home or the
+disk. The experts' tensors are bound over the whole slot: rows not brought are never read.
+
 Slots never decide which block comes next; the executor does.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from zerolite.device import Device
 from zerolite.errors import ZeroliteError
+from zerolite.expert_cache import ExpertCache
 from zerolite.manifest import Manifest
 from zerolite.store import DiskStore, MemoryStore
 from zerolite.timeline import NO_TIMELINE
+
+
+@dataclass(eq=False)
+class ExpertFetch:
+    """One expert of a block in a slot: on its way, or there."""
+    start: int                           # its extent in the block
+    length: int
+    ticket: int | None = None            # its read from disk, not yet waited for
+    submitted: float = 0.0
+    copied: object | None = None         # the device's event for its host-to-device copy, once queued
 
 
 @dataclass(eq=False)
@@ -42,18 +58,25 @@ class Slot:
     computed: object | None = None       # ... and for compute's last use of the device buffer
     in_use: bool = False
     started: int = 0                     # for picking the longest-idle slot to refill
+    experts: dict[int, ExpertFetch] = field(default_factory=dict)  # a block streamed per expert: those brought
 
 
 class Slots:
     def __init__(self, manifest: Manifest, disk: DiskStore | None, memory: MemoryStore, depth: int, device: Device,
-                 slot_bytes: int, timeline=NO_TIMELINE):
-        """disk is None when no streamed block lives there: the slots then need no host buffers."""
+                 slot_bytes: int, timeline=NO_TIMELINE, per_expert: frozenset[str] = frozenset(),
+                 cache: ExpertCache | None = None):
+        """disk is None when no streamed block lives there: the slots then need no host buffers.
+        per_expert names the blocks whose experts come apart from their dense part; cache keeps
+        experts read from disk across steps."""
         self.manifest = manifest
         self.disk = disk
         self.memory = memory
         self.timeline = timeline
         self.device = device
         self.separate = device.separate_memory
+        self.per_expert = per_expert
+        self.cache = cache
+        self.expert_bytes_read = 0  # of disk reads, those of experts (the rest: dense parts and whole blocks)
         reads = disk is not None
         self.copy_stream = device.new_stream() if self.separate else None
         self._slots = [
@@ -93,27 +116,72 @@ class Slots:
                 slot.source = self.memory.bytes_of(name)
             else:
                 slot.submitted = time.perf_counter()
-                slot.ticket = self.disk.submit(name, slot.host)
+                slot.ticket = self.disk.submit(name, slot.host, 0, self._needed(name))
                 slot.source = slot.host
             if self.separate and slot.ticket is None:
                 self._copy(slot)
+
+    def want_experts(self, name: str, experts) -> None:
+        """Makes sure these experts of a block already wanted are here or on their way: copied in
+        from the expert cache, or read from disk into their place in the slot (where the block's
+        home is host memory they are there already, and only a GPU needs them copied)."""
+        slot = self._by_block[name]
+        area = self.manifest.block(name).experts
+        for expert in experts:
+            if expert in slot.experts:
+                continue
+            fetch = ExpertFetch(*area.extent(expert))
+            slot.experts[expert] = fetch
+            if not self.memory.holds(name):
+                cached = self.cache.get((name, expert)) if self.cache is not None else None
+                if cached is not None:
+                    self._expert_bytes(slot, fetch).copy_(cached)
+                else:
+                    fetch.submitted = time.perf_counter()
+                    fetch.ticket = self.disk.submit(name, self._expert_bytes(slot, fetch), fetch.start, fetch.length)
+                    self.expert_bytes_read += fetch.length
+            if self.separate and fetch.ticket is None:
+                fetch.copied = self._copy_range(slot, fetch.start, fetch.length)
+
+    def wait_experts(self, name: str, experts) -> None:
+        """These experts' bytes are ready for compute on the compute stream (want_experts came first)."""
+        slot = self._by_block[name]
+        compute = self.device.compute_stream()
+        for expert in experts:
+            fetch = slot.experts[expert]
+            if fetch.ticket is not None:
+                with self.timeline.span("read wait" if self.separate else "wait", f"{name} expert {expert}"):
+                    self._land_expert(slot, expert, block=True)
+            if self.separate:
+                with self.timeline.span("wait", f"{name} expert {expert}", stream=compute):
+                    self.device.wait_event(compute, fetch.copied)
+
+    def ready(self, name: str) -> bool:
+        """Whether the block's (dense) bytes are here, or on their way to the device: never blocks."""
+        slot = self._by_block.get(name)
+        if slot is None:
+            return False
+        self._poll(slot)
+        return slot.ticket is None and (not self.separate or slot.copied is not None)
+
+    def dense_bytes(self, name: str) -> torch.Tensor:
+        """The block's bytes, for compute queued from now on (ready(name) said they are here): a
+        guess at a mixture's experts applies the block's router before the block runs."""
+        slot = self._by_block[name]
+        if not self.separate:
+            return slot.source[: self.manifest.block(name).length]
+        self.device.wait_event(self.device.compute_stream(), slot.copied)
+        return slot.device[: self.manifest.block(name).length]
 
     def advance(self) -> None:
         """Queues the copies of reads that have finished, so they overlap compute; never blocks."""
         if not self.separate:
             return
         for slot in self._slots:
-            if slot.ticket is not None:
-                try:
-                    finished = self.disk.poll(slot.ticket)
-                except ZeroliteError:
-                    slot.ticket = None  # spent: a failed read is waited for too
-                    self._forget(slot)
-                    raise
-                if finished is not None:
-                    slot.ticket = None
-                    self._read_done(slot, finished)
-                    self._copy(slot)
+            self._poll(slot)
+            for expert, fetch in list(slot.experts.items()):
+                if fetch.ticket is not None:
+                    self._land_expert(slot, expert, block=False)
 
     def wait(self, name: str) -> torch.Tensor:
         """The block's bytes, ready for compute on the compute stream (want(name) came first).
@@ -150,9 +218,9 @@ class Slots:
         failed meanwhile is only dropped: nothing will use its bytes, and the error that matters
         (if any) is the one already on its way up."""
         for slot in self._slots:
-            if slot.ticket is not None:
+            if slot.ticket is not None or any(f.ticket is not None for f in slot.experts.values()):
                 try:
-                    self._await(slot)
+                    self._settle(slot)
                 except ZeroliteError:
                     pass
                 self._forget(slot)
@@ -175,27 +243,98 @@ class Slots:
             raise
         self._read_done(slot, finished)
 
+    def _poll(self, slot: Slot) -> None:
+        """If the block's read into the slot has finished: checks it and, with separate device
+        memory, queues its copy; never blocks."""
+        if slot.ticket is None:
+            return
+        try:
+            finished = self.disk.poll(slot.ticket)
+        except ZeroliteError:
+            slot.ticket = None  # spent: a failed read is waited for too
+            self._forget(slot)
+            raise
+        if finished is not None:
+            slot.ticket = None
+            self._read_done(slot, finished)
+            if self.separate:
+                self._copy(slot)
+
+    def _land_expert(self, slot: Slot, expert: int, block: bool) -> None:
+        """Once the expert's read is done (waiting for it if block): checks its bytes, keeps them
+        in the cache, queues their copy."""
+        fetch = slot.experts[expert]
+        try:
+            finished = self.disk.wait(fetch.ticket) if block else self.disk.poll(fetch.ticket)
+            if finished is None:
+                return
+            fetch.ticket = None
+            self.timeline.add("read", f"{slot.block} expert {expert}", fetch.submitted, finished, bytes=fetch.length)
+            data = self._expert_bytes(slot, fetch)
+            self.disk.verify_part(slot.block, f"expert {expert}", data,
+                                  self.manifest.block(slot.block).experts.crc32s[expert])
+        except ZeroliteError:
+            del slot.experts[expert]  # the ticket is spent; its bytes must never be taken for the expert's
+            raise
+        if self.cache is not None:
+            self.cache.put((slot.block, expert), data)
+        if self.separate:
+            fetch.copied = self._copy_range(slot, fetch.start, fetch.length)
+
+    def _expert_bytes(self, slot: Slot, fetch: ExpertFetch) -> torch.Tensor:
+        return slot.source[fetch.start : fetch.start + fetch.length]
+
+    def _needed(self, name: str) -> int:
+        """The bytes want() brings: a block streamed per expert brings its dense part only."""
+        entry = self.manifest.block(name)
+        return entry.dense_length if name in self.per_expert else entry.length
+
+    def _settle(self, slot: Slot) -> None:
+        """Waits for every read into the slot's host buffer: the block's and its experts'."""
+        failure = None
+        for ticket in [slot.ticket] + [f.ticket for f in slot.experts.values()]:
+            if ticket is not None:
+                try:
+                    self.disk.wait(ticket)
+                except ZeroliteError as e:
+                    failure = failure or e
+        slot.ticket = None
+        for fetch in slot.experts.values():
+            fetch.ticket = None
+        if failure is not None:
+            self._forget(slot)
+            raise failure
+
     def _forget(self, slot: Slot) -> None:
         """The slot holds no block any more: a failed read's bytes must never be taken for it."""
         self._by_block.pop(slot.block, None)
         slot.block, slot.source, slot.copied = None, None, None
+        slot.experts = {}
 
     def _read_done(self, slot: Slot, finished: float) -> None:
-        entry = self.disk.entry(slot.block)
-        self.timeline.add("read", slot.block, slot.submitted, finished, bytes=entry.length)
-        self.disk.verify(slot.block, slot.host)
+        needed = self._needed(slot.block)
+        self.timeline.add("read", slot.block, slot.submitted, finished, bytes=needed)
+        area = self.manifest.block(slot.block).experts
+        if slot.block in self.per_expert:
+            self.disk.verify_part(slot.block, "dense part", slot.host[:needed], area.dense_crc32)
+        else:
+            self.disk.verify(slot.block, slot.host)
 
     def _empty(self, slot: Slot) -> None:
-        if slot.ticket is not None:  # the engine is still writing into the host buffer
-            self._await(slot)
-        if slot.copied is not None and slot.source is slot.host:
-            slot.copied.synchronize()  # the engine may not write into the host buffer while a copy reads it
+        self._settle(slot)  # the engine may still be writing into the host buffer
+        if slot.source is slot.host:  # the engine may not write into the host buffer while a copy reads it
+            for copied in [slot.copied] + [f.copied for f in slot.experts.values()]:
+                if copied is not None:
+                    copied.synchronize()
         self._forget(slot)
 
     def _copy(self, slot: Slot) -> None:
-        nbytes = self.manifest.block(slot.block).length
+        slot.copied = self._copy_range(slot, 0, self._needed(slot.block))
+
+    def _copy_range(self, slot: Slot, start: int, nbytes: int):
+        """Queues the copy of the block's bytes [start, start + nbytes) to the device; returns its event."""
         if slot.computed is not None:
             self.device.wait_event(self.copy_stream, slot.computed)  # compute may still read the old block
         with self.timeline.span("copy", slot.block, stream=self.copy_stream, bytes=nbytes):
-            self.device.copy(slot.device[:nbytes], slot.source[:nbytes], self.copy_stream)
-        slot.copied = self.device.record(self.copy_stream)
+            self.device.copy(slot.device[start:start + nbytes], slot.source[start:start + nbytes], self.copy_stream)
+        return self.device.record(self.copy_stream)

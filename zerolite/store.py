@@ -82,13 +82,24 @@ class DiskStore:
 
     def verify_crc(self, name: str, crc32: int) -> None:
         """Checks a CRC-32 computed over the block's bytes (in pieces, say) against its checksum."""
-        entry = self.entry(name)
-        if crc32 != entry.crc32:
-            raise ZeroliteError(
-                f"block {name} of layout {self.layout.folder} fails its checksum ({self.layout.manifest.data_file} "
-                f"was altered or the disk returned bad data): convert the model again"
-            )
+        if crc32 != self.entry(name).crc32:
+            raise self._damaged(name)
         self._verified.add(name)
+
+    def verify_part(self, name: str, part: str, data: torch.Tensor, crc32: int) -> None:
+        """Checks part of a block read on its own (a mixture's dense part, or one expert) against
+        its checksum, once per part and run."""
+        key = f"{name} {part}"
+        if key not in self._verified:
+            if zlib.crc32(data.numpy()) != crc32:
+                raise self._damaged(f"{name} ({part})")
+            self._verified.add(key)
+
+    def _damaged(self, what: str) -> ZeroliteError:
+        return ZeroliteError(
+            f"block {what} of layout {self.layout.folder} fails its checksum ({self.layout.manifest.data_file} "
+            f"was altered or the disk returned bad data): convert the model again"
+        )
 
     def read(self, name: str, buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Reads one block (submit, wait, verify) and returns its tensors as views of buffer."""
