@@ -47,6 +47,9 @@ PrefetchDepthAsForGenerate = Annotated[int, typer.Option(min=1, help="Slots in t
 KvOffload = Annotated[float, typer.Option(
     "--kv-offload", help="Share of the layers (0 to 1) whose K/V cache lives in host memory, so the batch can grow "
     "past device memory.")]
+Experts = Annotated[str, typer.Option(
+    "--experts", help="A mixture of experts: routed moves only the experts the router picks at each step, whole "
+    "moves every expert, as a dense layer streams.")]
 
 
 @app.callback()
@@ -131,6 +134,7 @@ def generate(
     gpu_memory: GpuMemory = None,
     cpu_memory: CpuMemory = None,
     kv_offload: KvOffload = 0.0,
+    experts: Experts = "routed",
     draft: Annotated[str | None, typer.Option(help="Speculative decoding at batch 1: a small model sharing the tokenizer (layout or checkpoint), or self-int4 / self-int8 (the model's own weights quantized), held resident to draft tokens the streamed model checks several at a time.")] = None,
     draft_group_size: Annotated[int | None, typer.Option("--draft-group-size", help="self-int4: input weights per scale and zero point, as convert's --group-size (default 32: the closer the draft, the more of its guesses are kept).")] = None,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
@@ -147,6 +151,7 @@ def generate(
 
     import zerolite
     from zerolite.convert import write_atomically
+    from zerolite.expert_counts import summary_line
     from zerolite.generate import Sampling, generate_all
     from zerolite.outputs import CompletionLog
     from zerolite.prompts import prompts_from_arguments, read_prompts
@@ -166,7 +171,7 @@ def generate(
         raise ZeroliteError(f"--draft runs prompts one at a time (speculative decoding is for batch 1), and --batch-size "
                             f"is {batch_size}: leave out --batch-size, or leave out --draft to batch them")
     batch = 1 if draft is not None else parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
-    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
+    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload, experts=experts)  # sizes parsed by load
 
     with ExitStack() as stack:
         log = stack.enter_context(CompletionLog.open(output)) if output is not None else None
@@ -194,6 +199,8 @@ def generate(
         f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s), {stats.bytes_read / 1e9:.2f} GB read[/dim]",
         soft_wrap=True,
     )
+    if stats.experts is not None:
+        stderr.print(f"[dim]{summary_line(summary)}[/dim]", soft_wrap=True)
     if stats.speculation is not None and stats.speculation.drafted:
         spec = stats.speculation
         stderr.print(f"[dim]draft: {spec.accepted} of {spec.drafted} guesses kept ({summary['acceptance_rate']:.0%}), "
@@ -212,6 +219,7 @@ def profile(
     gpu_memory: GpuMemory = None,
     cpu_memory: CpuMemory = None,
     kv_offload: KvOffload = 0.0,
+    experts: Experts = "routed",
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 1,
     new_tokens: Annotated[int, typer.Option(min=2, help="Steps to run: one prefill, the rest decode.")] = 8,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Length of the random prompts.")] = 16,
@@ -249,7 +257,7 @@ def profile(
         raise ZeroliteError(f"--draft profiles speculative decoding, which runs at batch 1, and --batch-size is {batch_size}: "
                             "leave out --batch-size, or leave out --draft")
     timeline = Timeline()
-    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
+    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload, experts=experts)  # sizes parsed by load
     with zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
                        prefetch_depth=prefetch_depth, timeline=timeline, show_progress=not as_json, draft=draft,
                        draft_group_size=draft_group_size, **policy) as lm:
@@ -278,6 +286,7 @@ def serve(
     gpu_memory: GpuMemory = None,
     cpu_memory: CpuMemory = None,
     kv_offload: KvOffload = 0.0,
+    experts: Experts = "routed",
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights when converting.")] = False,
     draft: Annotated[str | None, typer.Option(help="Not for serve: speculative decoding runs at batch 1, and the server batches its clients.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on; beyond loopback needs --api-key (or --insecure).")] = "127.0.0.1",
@@ -313,7 +322,7 @@ def serve(
                              served_name=served_model_name)
     check_exposure(settings)
     sock = bind(host, port)  # before loading: a port in use is found in a second, not after minutes
-    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload)  # sizes parsed by load
+    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload, experts=experts)  # sizes parsed by load
     with sock, zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
                              prefetch_depth=prefetch_depth, **policy) as lm:
         server = build_server(lm, settings, model)
@@ -375,6 +384,13 @@ def show_report(report) -> None:
         ("overlap (step / max(I/O, compute))", f"{report.overlap:.2f}"),
         ("transfers in flight", f"{report.link_busy:.0%} of the step, {report.in_flight_bytes / 1e6:.0f} MB on average"),
     ]
+    if (experts := report.experts) is not None:
+        rows += [
+            ("  of it dense parts / experts", f"{experts['dense_bytes_per_step'] / 1e9:.3f} GB / "
+                                              f"{experts['expert_bytes_per_step'] / 1e9:.3f} GB"),
+            ("  expert cache hits", "-" if experts["expert_cache_hit_rate"] is None else f"{experts['expert_cache_hit_rate']:.0%}"),
+            ("  next-layer expert guesses routed to", "-" if experts["prefetch_guess_rate"] is None else f"{experts['prefetch_guess_rate']:.0%}"),
+        ]
     if (spec := report.speculation) is not None:
         rows += [
             ("draft: guesses kept", f"{spec['accepted_tokens']} of {spec['draft_tokens']} ({spec['acceptance_rate'] or 0:.0%})"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from zerolite.expert_guess import RELIABLE
+
 
 @dataclass(frozen=True)
 class ExpertCounts:
@@ -32,3 +34,15 @@ class ExpertCounts:
             "expert_cache_hit_rate": round(self.cache_hits / self.cache_lookups, 4) if self.cache_lookups else None,
             "prefetch_guess_rate": round(self.guessed_right / self.guessed, 4) if self.guessed else None,
         }
+
+
+def summary_line(summary: dict) -> str:
+    """generate's and profile's line on a mixture streamed per expert, from summary()'s fields."""
+    line = (f"experts: {summary['dense_bytes_per_step'] / 1e9:.3f} GB dense + "
+            f"{summary['expert_bytes_per_step'] / 1e9:.3f} GB of experts read per step")
+    if summary["expert_cache_hit_rate"] is not None:
+        line += f"; expert cache hits {summary['expert_cache_hit_rate']:.0%}"
+    if summary["prefetch_guess_rate"] is not None:
+        line += (f"; next-layer guesses routed to {summary['prefetch_guess_rate']:.0%} (their reads start early "
+                 f"only while that stays above {RELIABLE:.0%})")
+    return line

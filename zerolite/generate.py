@@ -20,6 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 from zerolite.api import OffloadedLM
 from zerolite.batching import largest_batch
 from zerolite.errors import ZeroliteError
+from zerolite.expert_counts import ExpertCounts
 from zerolite.progress import token_progress
 from zerolite.prompts import Completion, Prompt
 from zerolite.speculative import SpeculationStats
@@ -58,6 +59,8 @@ class RunStats:
     decode_tokens: int = 0       # tokens produced by decode steps, over all rows
     decode_steps: int = 0        # the model's forwards after each batch's prefill
     bytes_read: int = 0
+    forwards: int = 0            # passes over the weights: each batch's prefill and its decode steps
+    experts: ExpertCounts | None = None  # a mixture streamed per expert: its expert bytes, cache and guesses
     peak_rss_bytes: int = 0
     peak_device_bytes: int | None = None
     speculation: SpeculationStats | None = None   # with a draft: its rounds, guesses and times
@@ -74,6 +77,7 @@ class RunStats:
             # above 1 per row only with a draft: the tokens each pass over the weights made
             "tokens_per_pass": round(self.decode_tokens / self.decode_steps, 3) if self.decode_steps else None,
             "bytes_read": self.bytes_read,
+            **(self.experts.summary(self.bytes_read, self.forwards) if self.experts is not None else {}),
             "peak_rss_bytes": self.peak_rss_bytes,
             "peak_device_bytes": self.peak_device_bytes,
             **(speculation_dict(self.speculation) if self.speculation is not None else {}),
@@ -162,6 +166,7 @@ def generate_all(
     config = generation_config(lm, sampling)
     stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
     bytes_before = lm.bytes_read
+    experts_before = lm.expert_counts()
     speculation_before = copy.copy(lm.speculator.stats) if lm.speculator is not None else None
     with token_progress("generating", len(running) * sampling.max_new_tokens, enabled=show_progress) as progress:
         for number, rows in enumerate(batches, start=1):
@@ -179,9 +184,12 @@ def generate_all(
             stats.decode_s += clock.decode_s
             stats.decode_tokens += clock.decode_tokens
             stats.decode_steps += clock.decode_steps
+            stats.forwards += 1 + clock.decode_steps
             stats.new_tokens += sum(len(c.token_ids) for c in completions)
             on_batch(completions)
     stats.bytes_read = lm.bytes_read - bytes_before
+    if lm.executor.per_expert:
+        stats.experts = lm.expert_counts().since(experts_before)
     if speculation_before is not None:
         stats.speculation = lm.speculator.stats.since(speculation_before)
     stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

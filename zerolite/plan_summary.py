@@ -21,6 +21,18 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     if plan.on_disk:
         tiers.append(f"{len(plan.on_disk)} layers streamed from disk ({size(plan.on_disk)} per step: {layer_list(plan.on_disk)})")
     lines = ["plan: " + "; ".join(tiers)]
+    routed = [name for name in plan.on_disk if name in lm.executor.per_expert]
+    per_step = manifest.nbytes(plan.on_disk)
+    if routed:
+        dense = sum(manifest.block(name).dense_length for name in routed)
+        experts = manifest.nbytes(routed) - dense
+        share = routed_share(lm.model.config.get_text_config(), manifest.block(routed[0]).experts.count)
+        per_step -= experts * (1 - share)
+        lines.append(f"experts: of those layers' {experts / 1e9:.2f} GB of experts a step reads only the routed ones "
+                     f"(at batch 1, {share:.0%}: {experts * share / 1e9:.2f} GB), beside their {dense / 1e9:.2f} GB "
+                     "of attention, norms and routers"
+                     + (f"; {plan.expert_cache / 1e9:.2f} GB of host memory keeps experts across steps"
+                        if plan.expert_cache else ""))
     if manifest.quantization:
         lines[0] += f" (layer weights {manifest.quantization['weights']})"
 
@@ -36,10 +48,10 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     lines.append(kv)
 
     if plan.on_disk:
-        streamed = manifest.nbytes(plan.on_disk)
         gbps = lm.load_read_gbps
-        lines.append(f"bound: reading {streamed / 1e9:.2f} GB per step takes {streamed / (gbps * 1e9):.3f} s at the "
-                     f"{gbps:.2f} GB/s loading read; a step takes the longer of that and its compute")
+        lines.append(f"bound: reading {per_step / 1e9:.2f} GB per step{' at batch 1' if routed else ''} takes "
+                     f"{per_step / (gbps * 1e9):.3f} s at the {gbps:.2f} GB/s loading read; a step takes the longer "
+                     "of that and its compute")
     if lm.draft is not None:
         draft = lm.draft.layout.manifest
         lines.append(f"draft: {lm.draft.layout.folder.name} held on {device} "
@@ -47,6 +59,12 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
                      f"{lm.speculator.length.draft_step_s * 1e3:.1f} ms; the ring holds {lm.policy.prefetch_depth} "
                      "layers, so that the disk reads on while it guesses")
     return lines
+
+
+def routed_share(config, experts: int) -> float:
+    """The share of a layer's experts one token uses: top-k of them (all when the config does not say)."""
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return min(top_k / experts, 1.0) if isinstance(top_k, int) and top_k > 0 else 1.0
 
 
 def layer_list(names) -> str:

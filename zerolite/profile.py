@@ -67,6 +67,8 @@ class Report:
     verdict: str
     advice: list[str] = field(default_factory=list)
     speculation: dict | None = None     # with a draft: guesses kept, tokens per pass, draft and model time
+    experts: dict | None = None         # a mixture streamed per expert: dense and expert bytes per step, expert
+                                        # cache hits, next-layer guesses (over every step, the prefill's included)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +85,7 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     input_ids = torch.randint(0, vocab, (batch_size, prompt_tokens), generator=generator)
     timeline.spans.clear()
     before = copy.copy(lm.speculator.stats) if lm.speculator is not None else None
+    bytes_before, experts_before = lm.bytes_read, lm.expert_counts()
     lm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     lm.settle()  # the last reads ahead land on the timeline too
@@ -96,12 +99,19 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     h2d_gbps = measure_host_to_device(lm.device)
 
     # The link a step waits on: the disk when any layer streams from it, else the copy to the GPU.
-    if plan.on_disk:
+    experts = None
+    if lm.executor.per_expert:
+        # Only the routed experts move: the bytes a step streams are measured, not the layers' sizes.
+        experts = lm.expert_counts().since(experts_before).summary(lm.bytes_read - bytes_before, new_tokens)
+        streamed = experts["dense_bytes_per_step"] + experts["expert_bytes_per_step"]
+        transfer_gbps = read_gbps if plan.on_disk else h2d_gbps
+    elif plan.on_disk:
         streamed, transfer_gbps = manifest.nbytes(plan.on_disk), read_gbps
     else:
         streamed = manifest.nbytes(plan.streamed)
         transfer_gbps = h2d_gbps if lm.device.separate_memory and plan.streamed else None
     report = analyse(timeline, lm, streamed, read_gbps, h2d_gbps, transfer_gbps, batch_size, new_tokens, prompt_tokens)
+    report.experts = experts
     if before is not None:
         spec = lm.speculator.stats.since(before)
         report.speculation = {**speculation_dict(spec),
