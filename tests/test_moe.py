@@ -1,13 +1,24 @@
-"""Mixtures of experts streamed whole, layer by layer, through transformers' own MoE modules (the
-fused 3-D expert tensors): greedy tokens and logits equal transformers' on the same weights in RAM,
-one prompt and a padded batch, from disk and from host memory, at every ring depth."""
+"""Mixtures of experts through transformers' own MoE modules (the fused 3-D expert tensors): each
+layer's dense part streams as a block, and only the experts the router picks are read (or copied),
+into their rows of the bound expert tensors. Greedy tokens and logits equal transformers' on the
+same weights in RAM, one prompt and a padded batch, from disk and from host memory, at every ring
+depth; a step reads exactly the dense parts and the routed experts."""
 
 from __future__ import annotations
 
-import pytest
+import shutil
 
-from test_executor import NEW_TOKENS, SETUPS, check_equal, layout_and_reference
+import pytest
+import torch
+
+import zerolite
+from test_executor import BATCH, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal, greedy, layout_and_reference
 from tiny_models import MOE_SHAPES
+from zerolite.errors import ZeroliteError
+from zerolite.experts import find_experts
+from zerolite.layout import Layout
+
+NVME = dict(offload="nvme", cpu_memory=0, device="cpu", show_progress=False)
 
 
 @pytest.fixture(scope="module", params=list(MOE_SHAPES))
@@ -22,7 +33,128 @@ def test_the_tiny_experts_are_routed_apart(tiny):
     assert len(set(new.flatten().tolist())) >= 4, new
 
 
+def test_every_layer_keeps_each_expert_in_an_extent_of_its_own(tiny):
+    layout, _ = tiny
+    for block in Layout.open(layout).manifest.blocks:
+        if block.name.startswith("layers."):
+            assert block.experts is not None and block.experts.count == 8
+            assert block.experts.offset == block.dense_length < block.length
+
+
 @pytest.mark.parametrize("depth", [1, 2, 4])
 @pytest.mark.parametrize("setup", ["nvme", "cpu"])
-def test_moe_generation_streamed_whole_equals_transformers(tiny, setup, depth):
+def test_moe_generation_streamed_per_expert_equals_transformers(tiny, setup, depth):
     check_equal(tiny, SETUPS[setup], depth, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("depth", [1, 2, 4])
+@pytest.mark.parametrize("setup", ["nvme", "cpu"])
+def test_moe_generation_on_a_gpu_copies_only_routed_experts_and_equals_transformers(tiny, setup, depth, gpu):
+    """From host memory too: a GPU copies the dense part and the routed experts only."""
+    check_equal(tiny, SETUPS[setup], depth, gpu)
+
+
+def record_routing(lm) -> list[list[set[int]]]:
+    """Per forward, per layer: the experts its router picked (the union over the batch)."""
+    forwards: list[list[set[int]]] = []
+    layers = lm.model.get_submodule(lm.layout.manifest.layers_path)
+
+    def saw(index: int):
+        def hook(module, args):
+            if index == 0:
+                forwards.append([])
+            forwards[-1].append(set(args[1].flatten().tolist()))
+        return hook
+
+    for index, layer in enumerate(layers):
+        layer.get_submodule(find_experts(layer).path).register_forward_pre_hook(saw(index))
+    return forwards
+
+
+def test_a_step_reads_the_dense_parts_and_the_routed_experts_exactly(tiny):
+    """Depth 1: no read ahead and no guess, so every byte read is one a step needed."""
+    layout, reference = tiny
+    blocks = [b for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.")]
+    with zerolite.load(layout, prefetch_depth=1, **NVME) as lm:
+        forwards = record_routing(lm)
+        before = lm.bytes_read
+        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, "cpu"))
+        read = lm.bytes_read - before
+        expected = sum(block.dense_length + len(routed) * block.experts.stride
+                       for layers in forwards for block, routed in zip(blocks, layers, strict=True))
+        assert read == expected
+        assert lm.expert_counts().expert_bytes == expected - len(forwards) * sum(b.dense_length for b in blocks)
+        # decode steps of one token over 8 experts, top-2: at most 2 per layer for the single prompt
+        assert read < len(forwards) * sum(b.length for b in blocks)
+
+
+def test_whole_streams_every_expert_and_gives_the_same_tokens(tiny):
+    layout, reference = tiny
+    blocks = [b for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.")]
+    with zerolite.load(layout, prefetch_depth=1, experts="whole", **NVME) as lm:
+        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
+        assert lm.bytes_read == NEW_TOKENS * sum(b.length for b in blocks)
+        assert lm.expert_counts().expert_bytes == 0
+
+
+def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch):
+    """The next layer's experts guessed from its router and read early, whether right or wrong
+    (trusted from the first guess here): the guesses are scored and the tokens stay exact."""
+    monkeypatch.setattr("zerolite.expert_guess.RELIABLE", 0.0)
+    layout, reference = tiny
+    with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
+        for expected, rows in zip(reference("cpu"), (SINGLE, BATCH)):
+            assert_same_generation(expected, greedy(lm, rows, "cpu"))
+        counts = lm.expert_counts()
+        assert counts.guessed > 0 and 0 < counts.guessed_right <= counts.guessed
+
+
+def test_the_expert_cache_serves_experts_read_before(tiny):
+    """A host budget smaller than a layer keeps experts instead; hits copy them into the slot."""
+    layout, reference = tiny
+    manifest = Layout.open(layout).manifest
+    stride = manifest.block("layers.0").experts.stride
+    with zerolite.load(layout, prefetch_depth=2, **{**NVME, "cpu_memory": 6 * stride}) as lm:
+        assert lm.plan.in_memory == () and lm.plan.expert_cache == 6 * stride
+        for expected, rows in zip(reference("cpu"), (SINGLE, BATCH)):
+            assert_same_generation(expected, greedy(lm, rows, "cpu"))
+        counts = lm.expert_counts()
+        assert 0 < counts.cache_hits < counts.cache_lookups
+
+
+def test_a_damaged_expert_is_refused_by_its_checksum(tiny, tmp_path):
+    layout, _ = tiny
+    copy = tmp_path / "layout"
+    shutil.copytree(layout, copy)
+    manifest = Layout.open(copy).manifest
+    for block in manifest.blocks:
+        if block.experts is not None:
+            for expert in range(block.experts.count):
+                start, _ = block.experts.extent(expert)
+                with open(copy / manifest.data_file, "r+b") as data:
+                    data.seek(block.offset + start + 100)
+                    byte = data.read(1)
+                    data.seek(block.offset + start + 100)
+                    data.write(bytes([byte[0] ^ 0xFF]))
+    with zerolite.load(copy, prefetch_depth=2, **NVME) as lm:
+        with pytest.raises(ZeroliteError, match=r"expert \d+\) of layout .* fails its checksum"):
+            greedy(lm, SINGLE, "cpu")
+
+
+def test_experts_not_called_with_their_routing_stream_whole_with_one_line(make_source, make_layout, capsys):
+    """JetMoe's ParallelExperts take token counts, not the routing: its layers stream whole, said once."""
+    layout, reference = layout_and_reference("jetmoe", make_source, make_layout)
+    with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
+        assert lm.executor.per_expert == frozenset()
+        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["zerolite: jetmoe's layers stream whole, every expert at every step: its experts module "
+                     "(JetMoeParallelExperts) is not called with the router's choice"]
+    assert all(b.experts is None for b in Layout.open(layout).manifest.blocks)
+
+
+def test_an_unknown_experts_choice_is_one_clear_error(tiny):
+    layout, _ = tiny
+    with pytest.raises(ZeroliteError, match="unknown --experts 'some': choose one of routed, whole"):
+        zerolite.load(layout, experts="some", **NVME)

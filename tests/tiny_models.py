@@ -27,6 +27,12 @@ MOE_SHAPES = {
                       num_experts_per_tok=2),
     "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, head_dim=16),
     "olmoe": dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2),
+    # experts transposed, with biases; a router with a bias; sliding-window layers between full ones
+    "gpt_oss": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8),
+}
+# JetMoe's experts (ParallelExperts) are called with token counts, not with the routing: streamed whole.
+WHOLE_MOE_SHAPES = {
+    "jetmoe": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, kv_channels=16, num_key_value_heads=4),
 }
 
 
@@ -47,10 +53,11 @@ def tiny_config(arch: str, layers: int = 3, tie: bool = True, **overrides) -> Pr
                                               max_position_embeddings=256, word_embed_proj_dim=64)
     elif arch == "gpt2":
         config_class, shape = GPT2Config, dict(n_embd=64, n_layer=layers, n_head=4, n_positions=256)
-    elif arch in MOE_SHAPES:
+    elif arch in MOE_SHAPES or arch in WHOLE_MOE_SHAPES:
         attention = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256)
-        return AutoConfig.for_model(arch, **{**common, **attention, **MOE_SHAPES[arch], **overrides})
+        shape = MOE_SHAPES.get(arch) or WHOLE_MOE_SHAPES[arch]
+        return AutoConfig.for_model(arch, **{**common, **attention, **shape, **overrides})
     else:
         raise ValueError(arch)
     # Constructor arguments, not attributes set afterwards: configs derive fields (head_dim) from them.

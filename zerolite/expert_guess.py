@@ -11,7 +11,8 @@ linear part is applied (top-k of its logits: softmax and sigmoid keep the order)
 steer selection (DeepSeek-V3's) and group limits are left out, which a guess may afford.
 
 A wrong guess costs a read the step never uses, and a disk-bound step pays for every byte: the
-reads follow the guess only while it has been right RELIABLE of the time lately.
+reads follow the guess only once, and while, it has been right RELIABLE of the time lately (every
+guess is scored, read or not, so a guess earns that trust over the first steps).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class ExpertGuess:
         self._guessed: dict[str, set[int]] = {}
         self.made = 0         # experts guessed
         self.right = 0        # of them, routed to
-        self.share = 1.0      # running share of guessed experts routed to, recent guesses weighing most
+        self.share = 0.0      # running share of guessed experts routed to, recent guesses weighing most
 
     def can_guess(self, name: str) -> bool:
         return name in self._routers

@@ -1,0 +1,189 @@
+"""A mixture of experts streamed per expert (--experts routed) against the same model streamed whole
+(--experts whole): bytes per decode step, tokens/s and the tokens, at each batch size. Run as root
+(the page cache is dropped before each run).
+
+    python tools/bench_moe.py --source build/mixtral2g/source --layout build/mixtral2g/layout --make-model \
+        [--batch-sizes 1,16] [--new-tokens 24] [--json out.json]
+
+With --make-model, a missing --source is first built (a 1.94 GB bf16 Mixtral-shaped model: hidden
+1024, 10 layers, 8 experts of intermediate 3584, top-2, vocab 32000; random weights, so a random
+router) and a missing --layout converted from it.
+
+Each run is a fresh process streaming every layer from disk at every step (--offload nvme
+--cpu-memory 0 --device cpu), batch B of random 16-token prompts (seed 0), greedy. Per decode step
+it records the bytes read, and, from a hook of its own on every experts module, the experts the
+router picked (the union over the batch), so that the bytes a step should read are known apart
+from what zerolite counted: per layer its dense part plus one extent per routed expert. The
+prefill is left out of the per-step figures (a prompt's tokens route to nearly every expert).
+
+Printed: per batch size and mode, decode tokens/s, the median decode step's bytes (dense and
+experts), what the routing says it should read, the ratio to dense + k/E of the experts (batch 1),
+the guess rate of the next-layer prefetch, and whether the tokens equal the whole-layer run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zerolite  # first: it sets torch's thread waits before torch loads (zerolite.openmp)
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers.generation.streamers import BaseStreamer
+
+from zerolite.experts import find_experts
+from zerolite.layout import Layout
+from zerolite.machine import drop_page_cache
+
+MODEL_CONFIG = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=10, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+                    max_position_embeddings=4096, tie_word_embeddings=False)
+PROMPT_TOKENS = 16
+
+
+def make_model(source: Path, layout: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from zerolite.convert import convert
+
+    if not (source / "config.json").is_file():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("mixtral", **MODEL_CONFIG)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(source)
+    if not (layout / "manifest.json").is_file():
+        convert(str(source), layout)
+
+
+class StepMeter(BaseStreamer):
+    """At every token generate puts out: the bytes read and the experts routed since the last one."""
+
+    def __init__(self, lm, routed: list[set[int]]):
+        self.lm, self.routed = lm, routed
+        self.steps: list[dict] = []
+        self._last = None
+
+    def put(self, value) -> None:
+        now = {"t": time.perf_counter(), "bytes": self.lm.bytes_read, "experts": self.lm.expert_counts()}
+        if self._last is not None:
+            self.steps.append({"s": now["t"] - self._last["t"], "bytes": now["bytes"] - self._last["bytes"],
+                               "expert_bytes": now["experts"].expert_bytes - self._last["experts"].expert_bytes,
+                               "routed": [len(layer) for layer in self.routed]})
+        for layer in self.routed:
+            layer.clear()
+        self._last = now
+
+    def end(self) -> None:
+        pass
+
+
+def run_one(layout: str, experts: str, batch_size: int, new_tokens: int) -> dict:
+    """One configuration, in this (fresh) process: per decode step its time, bytes and routing."""
+    with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", experts=experts, show_progress=False) as lm:
+        manifest = lm.layout.manifest
+        layers = lm.model.get_submodule(manifest.layers_path)
+        routed: list[set[int]] = []
+        for layer in layers:
+            found = find_experts(layer)
+            union: set[int] = set()
+            routed.append(union)
+            layer.get_submodule(found.path).register_forward_pre_hook(
+                lambda module, args, union=union: union.update(args[1].flatten().tolist()))
+        vocab = lm.model.config.vocab_size
+        ids = torch.randint(3, vocab, (batch_size, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+        meter = StepMeter(lm, routed)
+        before = lm.expert_counts()
+        out = lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=meter)
+        counts = lm.expert_counts().since(before)
+        decode = meter.steps[1:]  # the first is the prefill
+        blocks = [manifest.block(name) for name in manifest.layer_names]
+        area = blocks[0].experts
+        dense = sum(b.dense_length if b.experts else b.length for b in blocks)
+        expert_total = sum(b.length for b in blocks) - dense
+        return {
+            "experts": experts, "batch_size": batch_size, "new_tokens": new_tokens,
+            "tokens": out[:, PROMPT_TOKENS:].tolist(),
+            "decode_tokens_per_s": batch_size * len(decode) / sum(s["s"] for s in decode),
+            "step_s": [round(s["s"], 4) for s in decode],
+            "bytes_per_step": [s["bytes"] for s in decode],
+            "expert_bytes_per_step": [s["expert_bytes"] for s in decode],
+            # what the routing says a step should read when it reads only the routed experts
+            "routed_bytes_per_step": [dense + sum(s["routed"]) * area.stride for s in decode] if area else None,
+            "routed_experts_per_step": [sum(s["routed"]) for s in decode],
+            "dense_bytes": dense, "expert_bytes": expert_total,
+            "experts_per_layer": area.count if area else None,
+            "guessed": counts.guessed, "guessed_right": counts.guessed_right,
+        }
+
+
+def measured(args, experts: str, batch_size: int) -> dict:
+    if not drop_page_cache():
+        sys.exit("bench_moe: run as root: the page cache must be dropped before each run")
+    done = subprocess.run([sys.executable, __file__, "--run", experts, "--layout", str(args.layout),
+                           "--batch-sizes", str(batch_size), "--new-tokens", str(args.new_tokens)],
+                          capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"bench_moe: the {experts} run at batch {batch_size} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", type=Path, default=Path("build/mixtral2g/source"))
+    parser.add_argument("--layout", type=Path, default=Path("build/mixtral2g/layout"))
+    parser.add_argument("--make-model", action="store_true")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--run", choices=["routed", "whole"], help=argparse.SUPPRESS)  # one run, in a fresh process
+    args = parser.parse_args()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.run:
+        print(json.dumps(run_one(str(args.layout), args.run, sizes[0], args.new_tokens)))
+        return
+    if args.make_model:
+        make_model(args.source, args.layout)
+    Layout.open(args.layout)
+
+    results = []
+    for batch_size in sizes:
+        whole = measured(args, "whole", batch_size)
+        routed = measured(args, "routed", batch_size)
+        results += [whole, routed]
+        routed["same_tokens_as_whole"] = routed["tokens"] == whole["tokens"]
+        routed["speedup"] = routed["decode_tokens_per_s"] / whole["decode_tokens_per_s"]
+        share = routed["experts_per_layer"] and 2 / routed["experts_per_layer"]  # top-2 of E
+        routed["top_k_bound_bytes"] = routed["dense_bytes"] + share * routed["expert_bytes"]
+        routed["bytes_over_top_k_bound"] = statistics.median(routed["bytes_per_step"]) / routed["top_k_bound_bytes"]
+        routed["bytes_equal_routing"] = sum(a == b for a, b in zip(routed["bytes_per_step"], routed["routed_bytes_per_step"]))
+
+    table = Table(title=f"{args.layout}: streamed from disk at every step, decode steps of {args.new_tokens} new tokens")
+    for column in ["batch", "experts", "tokens/s", "speed-up", "GB/step (median)", "of it experts", "routing says",
+                   "/ dense + 2/8", "steps = routing", "guesses right", "tokens = whole"]:
+        table.add_column(column, justify="right")
+    for r in results:
+        routed = r["experts"] == "routed"
+        median_bytes = statistics.median(r["bytes_per_step"])
+        table.add_row(
+            str(r["batch_size"]), r["experts"], f"{r['decode_tokens_per_s']:.2f}",
+            f"{r['speedup']:.2f}x" if routed else "1.00x", f"{median_bytes / 1e9:.3f}",
+            f"{statistics.median(r['expert_bytes_per_step']) / 1e9:.3f}" if routed else "-",
+            f"{statistics.median(r['routed_bytes_per_step']) / 1e9:.3f}" if routed else "-",
+            f"{r['bytes_over_top_k_bound']:.3f}" if routed else "-",
+            f"{r['bytes_equal_routing']}/{len(r['bytes_per_step'])}" if routed else "-",
+            f"{r['guessed_right']}/{r['guessed']}" if routed and r["guessed"] else "-",
+            str(r["same_tokens_as_whole"]) if routed else "-",
+        )
+    Console().print(table)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
