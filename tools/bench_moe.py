@@ -180,7 +180,7 @@ def main() -> None:
             f"{r['guessed_right']}/{r['guessed']}" if routed and r["guessed"] else "-",
             str(r["same_tokens_as_whole"]) if routed else "-",
         )
-    Console().print(table)
+    Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

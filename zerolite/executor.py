@@ -142,7 +142,7 @@ class Executor:
         1. the experts to bring: the union over every position (padding included: its outputs
            must be finite too, or attention's zero weights on them would still make NaN)
         2. ask for them: those not here already (guessed, cached) start reading now
-        3. guess the next layer's from these hidden states; read them too while guesses hold up
+        3. guess the next layer's from these hidden states; read early those of reliable ranks
         4. wait for this layer's
         """
         routed = sorted(set(chosen.flatten().tolist()))
@@ -150,9 +150,8 @@ class Executor:
         self.slots.want_experts(name, routed)
         upcoming = self._next_layer.get(name)
         if upcoming is not None and self.guess.can_guess(upcoming) and self.slots.ready(upcoming):
-            guessed = self.guess.next(upcoming, self.slots.dense_bytes(upcoming), hidden, chosen.shape[-1])
-            if self.guess.reliable:
-                self.slots.want_experts(upcoming, guessed)
+            self.slots.want_experts(upcoming, self.guess.next(upcoming, self.slots.dense_bytes(upcoming), hidden,
+                                                              chosen.shape[-1]))
         self.slots.wait_experts(name, routed)
         self._routed.add(name)
 

@@ -43,6 +43,6 @@ def summary_line(summary: dict) -> str:
     if summary["expert_cache_hit_rate"] is not None:
         line += f"; expert cache hits {summary['expert_cache_hit_rate']:.0%}"
     if summary["prefetch_guess_rate"] is not None:
-        line += (f"; next-layer guesses routed to {summary['prefetch_guess_rate']:.0%} (their reads start early "
-                 f"only while that stays above {RELIABLE:.0%})")
+        line += (f"; next-layer guesses routed to {summary['prefetch_guess_rate']:.0%} (a guess's rank, first "
+                 f"choice or second, is read early only while right {RELIABLE:.0%} of the time)")
     return line
