@@ -66,7 +66,9 @@ class Executor:
         self.disk = DiskStore(layout, self.engine)
         self._bindings = {block.name: BlockBinding(self.model, block, manifest.aliases) for block in manifest.blocks}
 
+        self.per_expert, self.experts_note = streamed_per_expert(self.model, layout, plan, policy, device)
         started = time.perf_counter()
+        self.guess = ExpertGuess(self.model, manifest, self.per_expert, self.disk, device)
         for name, data in load_resident(self.disk, plan.resident, device, progress):
             self._bindings[name].bind(data)
         memory = MemoryStore.load(self.disk, list(plan.in_memory), device.pinned_empty, progress)
@@ -75,12 +77,10 @@ class Executor:
         # some disks (virtual ones) serve the run that follows up to 2x slower.
         self.load_read_gbps = self._loaded_bytes / max(time.perf_counter() - started, 1e-9) / 1e9
         slot_bytes = max((manifest.block(name).length for name in plan.streamed), default=0)
-        self.per_expert, self.experts_note = streamed_per_expert(self.model, layout, plan, policy, device)
         self.expert_cache = (ExpertCache(plan.expert_cache, device.pinned_empty)
                              if self.per_expert and plan.expert_cache else None)
         self.slots = Slots(manifest, self.disk if plan.on_disk else None, memory, policy.prefetch_depth, device,
                            slot_bytes, timeline, self.per_expert, self.expert_cache)
-        self.guess = ExpertGuess(self.model, manifest, self.per_expert)
         layers = manifest.layer_names
         self._next_layer = {a: b for a, b in zip(layers, layers[1:]) if a in self.per_expert and b in self.per_expert}
         self._routed: set[str] = set()  # layers streamed per expert whose experts were called with their routing
@@ -149,9 +149,8 @@ class Executor:
         self.guess.score(name, routed)
         self.slots.want_experts(name, routed)
         upcoming = self._next_layer.get(name)
-        if upcoming is not None and self.guess.can_guess(upcoming) and self.slots.ready(upcoming):
-            self.slots.want_experts(upcoming, self.guess.next(upcoming, self.slots.dense_bytes(upcoming), hidden,
-                                                              chosen.shape[-1]))
+        if upcoming is not None and self.guess.can_guess(upcoming) and self.slots.holds(upcoming):
+            self.slots.want_experts(upcoming, self.guess.next(upcoming, hidden, chosen.shape[-1]))
         self.slots.wait_experts(name, routed)
         self._routed.add(name)
 

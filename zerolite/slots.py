@@ -156,22 +156,9 @@ class Slots:
                 with self.timeline.span("wait", f"{name} expert {expert}", stream=compute):
                     self.device.wait_event(compute, fetch.copied)
 
-    def ready(self, name: str) -> bool:
-        """Whether the block's (dense) bytes are here, or on their way to the device: never blocks."""
-        slot = self._by_block.get(name)
-        if slot is None:
-            return False
-        self._poll(slot)
-        return slot.ticket is None and (not self.separate or slot.copied is not None)
-
-    def dense_bytes(self, name: str) -> torch.Tensor:
-        """The block's bytes, for compute queued from now on (ready(name) said they are here): a
-        guess at a mixture's experts applies the block's router before the block runs."""
-        slot = self._by_block[name]
-        if not self.separate:
-            return slot.source[: self.manifest.block(name).length]
-        self.device.wait_event(self.device.compute_stream(), slot.copied)
-        return slot.device[: self.manifest.block(name).length]
+    def holds(self, name: str) -> bool:
+        """Whether the block is in a slot (here, or on its way)."""
+        return name in self._by_block
 
     def advance(self) -> None:
         """Queues the copies of reads that have finished, so they overlap compute; never blocks."""
