@@ -100,14 +100,22 @@ def test_whole_streams_every_expert_and_gives_the_same_tokens(tiny):
 
 def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch):
     """The next layer's experts guessed from its router and read early, whether right or wrong
-    (trusted from the first guess here): the guesses are scored and the tokens stay exact."""
+    (trusted from the first guess here): the tokens stay exact, and the bytes read are the dense
+    parts, the routed experts and the guessed ones the router did not pick (and, at the end, the
+    ring's read ahead of the next forward's first dense part)."""
     monkeypatch.setattr("zerolite.expert_guess.RELIABLE", 0.0)
     layout, reference = tiny
+    blocks = [b for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.")]
+    stride = blocks[0].experts.stride
     with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
-        for expected, rows in zip(reference("cpu"), (SINGLE, BATCH)):
-            assert_same_generation(expected, greedy(lm, rows, "cpu"))
+        forwards = record_routing(lm)
+        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, "cpu"))
         counts = lm.expert_counts()
         assert counts.guessed > 0 and 0 < counts.guessed_right <= counts.guessed
+        routed = sum(block.dense_length + len(experts) * stride
+                     for layers in forwards for block, experts in zip(blocks, layers, strict=True))
+        assert lm.bytes_read == routed + counts.early_unused * stride + blocks[0].dense_length
+        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
 
 
 def test_the_expert_cache_serves_experts_read_before(tiny):

@@ -79,6 +79,7 @@ class StepMeter(BaseStreamer):
         if self._last is not None:
             self.steps.append({"s": now["t"] - self._last["t"], "bytes": now["bytes"] - self._last["bytes"],
                                "expert_bytes": now["experts"].expert_bytes - self._last["experts"].expert_bytes,
+                               "early_unused": now["experts"].early_unused - self._last["experts"].early_unused,
                                "routed": [sorted(layer) for layer in self.routed]})
         for layer in self.routed:
             layer.clear()
@@ -121,6 +122,9 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int) -> dict
             "expert_bytes_per_step": [s["expert_bytes"] for s in decode],
             # what the routing says a step should read when it reads only the routed experts
             "routed_bytes_per_step": [dense + sum(map(len, s["routed"])) * area.stride for s in decode] if area else None,
+            # and with the guessed experts read early that the router then did not pick
+            "routed_and_unused_bytes_per_step": [dense + (sum(map(len, s["routed"])) + s["early_unused"]) * area.stride
+                                                 for s in decode] if area else None,
             "routed_experts_per_step": [sum(map(len, s["routed"])) for s in decode],
             "routed": [s["routed"] for s in decode],  # per decode step, per layer: the experts picked
             "dense_bytes": dense, "expert_bytes": expert_total,
@@ -200,6 +204,8 @@ def main() -> None:
         routed["top_k_bound_bytes"] = routed["dense_bytes"] + share * routed["expert_bytes"]
         routed["bytes_over_top_k_bound"] = statistics.median(routed["bytes_per_step"]) / routed["top_k_bound_bytes"]
         routed["bytes_equal_routing"] = sum(a == b for a, b in zip(routed["bytes_per_step"], routed["routed_bytes_per_step"]))
+        routed["bytes_equal_routing_and_unused"] = sum(
+            a == b for a, b in zip(routed["bytes_per_step"], routed["routed_and_unused_bytes_per_step"]))
         # The disk's own speed-up bound: a read-only pass over what the routed steps needed against one
         # over whole layers, as many steps, in the same run.
         steps = len(routed["routed"])
@@ -209,7 +215,7 @@ def main() -> None:
 
     table = Table(title=f"{args.layout}: streamed from disk at every step, decode steps of {args.new_tokens} new tokens")
     for column in ["batch", "experts", "tokens/s", "speed-up", "read-only pass", "GB/step (median)", "of it experts",
-                   "routing says", "/ dense + 2/8", "steps = routing", "guesses right", "tokens = whole"]:
+                   "routing says", "/ dense + 2/8", "steps = routing (+ early unused)", "guesses right", "tokens = whole"]:
         table.add_column(column, justify="right")
     for r in results:
         routed = r["experts"] == "routed"
@@ -222,7 +228,7 @@ def main() -> None:
             f"{statistics.median(r['expert_bytes_per_step']) / 1e9:.3f}" if routed else "-",
             f"{statistics.median(r['routed_bytes_per_step']) / 1e9:.3f}" if routed else "-",
             f"{r['bytes_over_top_k_bound']:.3f}" if routed else "-",
-            f"{r['bytes_equal_routing']}/{len(r['bytes_per_step'])}" if routed else "-",
+            f"{r['bytes_equal_routing']} ({r['bytes_equal_routing_and_unused']})/{len(r['bytes_per_step'])}" if routed else "-",
             f"{r['guessed_right']}/{r['guessed']}" if routed and r["guessed"] else "-",
             str(r["same_tokens_as_whole"]) if routed else "-",
         )

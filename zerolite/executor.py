@@ -113,7 +113,8 @@ class Executor:
         """Running totals of streaming per expert: expert bytes read, cache hits, guesses."""
         cache = self.expert_cache
         return ExpertCounts(self.slots.expert_bytes_read, cache.hits if cache else 0,
-                            cache.hits + cache.misses if cache else 0, self.guess.made, self.guess.right)
+                            cache.hits + cache.misses if cache else 0, self.guess.made, self.guess.right,
+                            self.guess.early_unused)
 
     @contextmanager
     def running(self, name: str):

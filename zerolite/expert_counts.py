@@ -21,6 +21,7 @@ class ExpertCounts:
     cache_lookups: int = 0
     guessed: int = 0         # experts the prefetch guessed for the next layer
     guessed_right: int = 0   # of them, routed to
+    early_unused: int = 0    # guessed experts brought early that the router then did not pick
 
     def since(self, before: ExpertCounts) -> ExpertCounts:
         return ExpertCounts(*(now - then for now, then in zip(dataclasses.astuple(self), dataclasses.astuple(before))))
@@ -33,6 +34,7 @@ class ExpertCounts:
             "expert_bytes_per_step": self.expert_bytes // steps,
             "expert_cache_hit_rate": round(self.cache_hits / self.cache_lookups, 4) if self.cache_lookups else None,
             "prefetch_guess_rate": round(self.guessed_right / self.guessed, 4) if self.guessed else None,
+            "early_unused_experts_per_step": round(self.early_unused / steps, 3),
         }
 
 

@@ -54,9 +54,11 @@ class ExpertGuess:
                 tensors = read_tensors(disk, name, [entries["weight"]] + [entries[b] for b in ("bias",) if b in entries])
                 self._routers[name] = tuple(t.to(device.torch_device) for t in tensors) + (None,) * (2 - len(tensors))
         self._guessed: dict[str, list[set[int]]] = {}  # block -> the experts each rank named for it
+        self._early: dict[str, set[int]] = {}          # block -> those of them brought early
         self._shares: list[float] = []  # per rank: its running share of named experts routed to
         self.made = 0         # experts guessed (each counted once, whatever ranks named it)
         self.right = 0        # of them, routed to
+        self.early_unused = 0  # experts brought early that the router then did not pick
 
     def can_guess(self, name: str) -> bool:
         return name in self._routers
@@ -70,11 +72,13 @@ class ExpertGuess:
         ranks = logits.topk(top_k, dim=-1).indices.T.tolist()  # [rank][token]
         named = self._guessed[upcoming] = [set(tokens) for tokens in ranks]
         self._shares += [0.0] * (len(named) - len(self._shares))
-        return sorted(set().union(*(experts for experts, share in zip(named, self._shares) if share >= RELIABLE)))
+        early = self._early[upcoming] = set().union(*(e for e, share in zip(named, self._shares) if share >= RELIABLE))
+        return sorted(early)
 
     def score(self, name: str, routed: list[int]) -> None:
         """Compares the guess made for name (if any) with what its router picked."""
         named = self._guessed.pop(name, None)
+        self.early_unused += len(self._early.pop(name, set()).difference(routed))
         if not named:
             return
         for rank, experts in enumerate(named):
