@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 import zerolite
 from test_executor import BATCH, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal, greedy, layout_and_reference
