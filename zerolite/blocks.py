@@ -40,6 +40,11 @@ class BlockPartition:
         return self._owners.get(self.aliases.get(tensor_name, tensor_name))
 
 
+def module_path(layers_path: str, block: str) -> str:
+    """Where a layer's block lives in the model: "layers.3" under "model.layers" is "model.layers.3"."""
+    return f"{layers_path}.{block.removeprefix('layers.')}"
+
+
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The ModuleList with the most parameters: the decoder stack in every causal LM we know."""
     best: tuple[int, str, nn.ModuleList] | None = None

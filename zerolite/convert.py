@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from zerolite.blocks import BlockPartition, partition, stored_tensors
+from zerolite.blocks import BlockPartition, module_path, partition, stored_tensors
 from zerolite.checkpoint import DTYPE_CHOICES, Checkpoint, build_meta_model, iter_block_tensors, one_line
 from zerolite.errors import ZeroliteError
 from zerolite.io import aligned_empty
@@ -129,7 +129,7 @@ def plan_extents(meta_model, blocks: BlockPartition, scheme: WeightScheme | None
     for block in blocks.blocks:
         stored = {name: tensors[name] for name in block.tensor_names}
         experts = routed_experts(meta_model, blocks.layers_path, block.name)
-        prefix = f"{blocks.layers_path}.{block.name.removeprefix('layers.')}.{experts.path}." if experts else None
+        prefix = f"{module_path(blocks.layers_path, block.name)}.{experts.path}." if experts else None
         fused = {name: t for name, t in stored.items() if prefix and name.startswith(prefix)}
         dense = {name: t for name, t in stored.items() if name not in fused}
         entries, length = pack(scheme.meta_tensors(dense, targets) if scheme else dense)
@@ -148,7 +148,7 @@ def routed_experts(meta_model, layers_path: str, block_name: str) -> Experts | N
     """The layer's experts, where a step can read only those its router picks."""
     if not block_name.startswith("layers."):
         return None
-    experts = find_experts(meta_model.get_submodule(f"{layers_path}.{block_name.removeprefix('layers.')}"))
+    experts = find_experts(meta_model.get_submodule(module_path(layers_path, block_name)))
     return experts if experts is not None and experts.routed else None
 
 

@@ -24,6 +24,7 @@ from transformers import AutoConfig, GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.binding import BlockBinding
+from zerolite.blocks import module_path
 from zerolite.checkpoint import build_meta_model
 from zerolite.device import Device
 from zerolite.errors import ZeroliteError
@@ -95,11 +96,11 @@ class Executor:
         self._steps = 0
         self._hooks = []
         for name in plan.streamed:
-            module = self.model.get_submodule(layer_path(manifest, name))
+            module = self.model.get_submodule(module_path(manifest.layers_path, name))
             self._hooks.append(module.register_forward_pre_hook(self._enter(name)))
             self._hooks.append(module.register_forward_hook(self._leave(name)))
         for name in self.per_expert:
-            experts = self.model.get_submodule(layer_path(manifest, name) + "." + manifest.block(name).experts.module)
+            experts = self.model.get_submodule(module_path(manifest.layers_path, name) + "." + manifest.block(name).experts.module)
             self._hooks.append(experts.register_forward_pre_hook(self._route(name)))
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._start_step()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end_step()))
@@ -210,10 +211,6 @@ class Executor:
         self._hooks = []
 
 
-def layer_path(manifest, name: str) -> str:
-    return f"{manifest.layers_path}.{name.removeprefix('layers.')}"
-
-
 def streamed_per_expert(model: nn.Module, layout: Layout, plan: Plan, policy: Policy,
                         device: Device) -> tuple[frozenset[str], str | None]:
     """The streamed layers whose experts move apart from their dense part: a mixture's layers
@@ -226,7 +223,7 @@ def streamed_per_expert(model: nn.Module, layout: Layout, plan: Plan, policy: Po
     for name in plan.streamed:
         if name not in plan.on_disk and not device.separate_memory:
             continue
-        experts = find_experts(model.get_submodule(layer_path(layout.manifest, name)))
+        experts = find_experts(model.get_submodule(module_path(layout.manifest.layers_path, name)))
         area = layout.manifest.block(name).experts
         if experts is None:
             continue

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from zerolite.blocks import module_path
 from zerolite.device import Device
-from zerolite.experts import find_experts
 from zerolite.io import ALIGNMENT, aligned_empty
-from zerolite.manifest import DTYPES, Manifest, TensorEntry, round_up
+from zerolite.manifest import DTYPES, ExpertArea, Manifest, TensorEntry, round_up
 from zerolite.store import DiskStore
 
 # A right guess takes its expert's read out of the wait after the router; a wrong one costs a read
@@ -47,10 +47,13 @@ class ExpertGuess:
         hidden = model.config.get_text_config().hidden_size
         self._routers: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # block -> router weight, bias
         for name in per_expert:
-            router = find_router(model.get_submodule(f"{manifest.layers_path}.{name.removeprefix('layers.')}"), hidden)
-            prefix = f"{manifest.layers_path}.{name.removeprefix('layers.')}.{router}."
+            layer = module_path(manifest.layers_path, name)
+            router = find_router(model.get_submodule(layer), manifest.block(name).experts, hidden)
+            if router is None:
+                continue
+            prefix = f"{layer}.{router}."
             entries = {t.name.removeprefix(prefix): t for t in manifest.block(name).tensors if t.name.startswith(prefix)}
-            if router is not None and "weight" in entries:  # a quantized router has none: no guess there
+            if "weight" in entries:  # a quantized router has none: no guess there
                 tensors = read_tensors(disk, name, [entries["weight"]] + [entries[b] for b in ("bias",) if b in entries])
                 self._routers[name] = tuple(t.to(device.torch_device) for t in tensors) + (None,) * (2 - len(tensors))
         self._guessed: dict[str, list[set[int]]] = {}  # block -> the experts each rank named for it
@@ -98,12 +101,9 @@ def read_tensors(disk: DiskStore, block: str, entries: list[TensorEntry]) -> lis
             for t in entries]
 
 
-def find_router(layer: nn.Module, hidden: int) -> str | None:
+def find_router(layer: nn.Module, experts: ExpertArea, hidden: int) -> str | None:
     """The path (from the layer) of the module beside the experts whose weight is [experts, hidden]."""
-    experts = find_experts(layer)
-    if experts is None:
-        return None
-    parent = experts.path.rpartition(".")[0]
+    parent = experts.module.rpartition(".")[0]
     block = layer.get_submodule(parent) if parent else layer
     for path, module in block.named_modules():
         weight = getattr(module, "weight", None)

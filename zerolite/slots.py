@@ -231,8 +231,7 @@ class Slots:
         self._read_done(slot, finished)
 
     def _poll(self, slot: Slot) -> None:
-        """If the block's read into the slot has finished: checks it and, with separate device
-        memory, queues its copy; never blocks."""
+        """If the block's read into the slot has finished: checks it and queues its copy; never blocks."""
         if slot.ticket is None:
             return
         try:
@@ -244,8 +243,7 @@ class Slots:
         if finished is not None:
             slot.ticket = None
             self._read_done(slot, finished)
-            if self.separate:
-                self._copy(slot)
+            self._copy(slot)
 
     def _land_expert(self, slot: Slot, expert: int, block: bool) -> None:
         """Once the expert's read is done (waiting for it if block): checks its bytes, keeps them
