@@ -154,6 +154,7 @@ class SimulatedDevice(Device):
         self._lock = threading.Lock()
         self.allocated = self.peak = 0
         self.pinned = self.peak_pinned = 0
+        self.adopted = 0          # host memory mapped elsewhere and registered here (the node's shared copy)
         self.skipped_waits = []   # predicates (stream, event) -> True to drop a wait: removing an ordering step
         self.skipped_synchronizes = []  # predicates (event) -> True to drop a host wait
 
@@ -236,6 +237,14 @@ class SimulatedDevice(Device):
             self.peak_pinned = max(self.peak_pinned, self.pinned)
         weakref.finalize(buffer, self._free_pinned, cost)
         return buffer
+
+    def adopt_host(self, array, mapping) -> torch.Tensor:
+        tensor = super().adopt_host(array, mapping)
+        with self._lock:
+            self._copies_from.pop(tensor.untyped_storage().data_ptr(), None)
+            self._written_by.pop(tensor.untyped_storage().data_ptr(), None)
+            self.adopted += tensor.nbytes
+        return tensor
 
     def _free_pinned(self, cost: int) -> None:
         with self._lock:

@@ -22,7 +22,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from zerolite.budget import Budgets
 from zerolite.checkpoint import quiet_transformers
 from zerolite.convert import JOURNAL, choose_dtype, holds_layout
-from zerolite.device import Device
+from zerolite.device import Device, cuda_available, resolve
 from zerolite.draft import (SELF_DRAFTS, check_draft_fits, check_same_vocabulary, draft_layout, draft_step_s,
                             quantize_head, ring_depth)
 from zerolite.errors import ZeroliteError
@@ -38,6 +38,7 @@ from zerolite.preflight import preflight
 from zerolite.progress import byte_progress
 from zerolite.speculative import Speculator, speculative_decoding
 from zerolite.timeline import NO_TIMELINE, Timeline
+from zerolite.world import SINGLE, World
 
 
 class OffloadedLM:
@@ -49,8 +50,9 @@ class OffloadedLM:
     """
 
     def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float, draft: OffloadedLM | None = None,
-                 draft_step_s: float | None = None):
+                 draft_step_s: float | None = None, world: World = SINGLE):
         self.executor = executor
+        self.world = world  # the ranks of a torchrun job, each with a model of its own
         self.model = executor.model
         self.tokenizer = tokenizer
         self.load_s = load_s
@@ -206,6 +208,7 @@ def load(
     timeline: Timeline | None = None,
     draft: str | os.PathLike | None = None,
     draft_group_size: int | None = None,
+    world: World | None = None,
     **policy,
 ) -> OffloadedLM:
     """Loads model for streamed inference.
@@ -217,45 +220,96 @@ def load(
     "self-int4" / "self-int8" (with draft_group_size), held resident to draft for speculative
     decoding at batch 1 (zerolite.draft). The remaining keywords are Policy fields (prefetch_depth, gpu_memory,
     cpu_memory (bytes, or sizes such as "24GB"), kv_offload, io_backend, ...).
+
+    Under torchrun (world: default from the environment) every rank calls load alike: each runs
+    on its own device (cuda is the GPU of its LOCAL_RANK), the ranks of a node share one copy of
+    the host-memory tier (zerolite.node_copy), all make the same plan, and a failure on any rank
+    raises on every rank (zerolite.world).
     """
     quiet_transformers()
+    world = World.from_env() if world is None else world
+    world.start()
+    show_progress = show_progress and world.leads
     for budget in ("gpu_memory", "cpu_memory"):
         if isinstance(policy.get(budget), str):
             policy[budget] = parse_size(policy[budget], "--" + budget.replace("_", "-"))
     policy = Policy(offload=offload, device=device, **policy)
     started = time.perf_counter()
-    layout_folder = ensure_layout(model, path, dtype, allow_pickle, show_progress)
+    # The node's first rank converts (if need be) before the others open what it wrote.
+    world.together(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress) if world.local_rank == 0 else None,
+                   "converting the model")
+    layout_folder = world.together(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress),
+                                   "opening the layout")[world.rank]
     convert_s = time.perf_counter() - started
 
     started = time.perf_counter()
-    layout = Layout.open(layout_folder)
-    if dtype is not None and DTYPES[layout.manifest.dtype] != choose_dtype(dtype, None):
-        raise ZeroliteError(
-            f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
-            f"convert into another --path with --dtype {dtype}"
-        )
-    target = policy.target()
-    tokenizer = load_tokenizer(layout_folder)
-    # The draft first: it is held whole, and the model's default budgets then see what it left.
-    draft_lm = load_draft(str(draft), draft_group_size, layout, tokenizer, target, show_progress) if draft is not None else None
-    guess_s = None
+    draft_lm, guess_s, executor, layout, target, tokenizer = None, None, None, None, None, None
     try:
-        if draft_lm is not None:
-            guess_s = draft_step_s(draft_lm)
-            policy = dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
-        plan = Plan.make(layout.manifest, policy, Budgets.make(layout.manifest, policy, target), target.pinned_cost)
-        for warning in preflight(layout, plan, policy, target):
+        def prepare() -> None:
+            nonlocal layout, target, tokenizer
+            layout = Layout.open(layout_folder)
+            if dtype is not None and DTYPES[layout.manifest.dtype] != choose_dtype(dtype, None):
+                raise ZeroliteError(
+                    f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
+                    f"convert into another --path with --dtype {dtype}"
+                )
+            target = rank_device(policy, world)
+            tokenizer = load_tokenizer(layout_folder)
+
+        def budget() -> Budgets:
+            nonlocal draft_lm, guess_s, policy
+            # The draft first: it is held whole, and the model's default budgets then see what it left.
+            if draft is not None:
+                draft_lm = load_draft(str(draft), draft_group_size, layout, tokenizer, target, show_progress)
+                guess_s = draft_step_s(draft_lm)
+                policy = dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
+            return Budgets.make(layout.manifest, policy, target, world.local_size)
+
+        world.together(prepare, "opening the layout")
+        if draft is not None:  # the node's first rank makes a self-draft's layout, as it converted the model's
+            world.together(lambda: draft_layout(str(draft), layout, draft_group_size, show_progress)
+                           if world.local_rank == 0 else None, "making the draft")
+        prepared = world.together(budget, "loading")
+        # One plan for every rank: the node's host copy holds the same layers for all of them.
+        budgets = Budgets(min(b.device for b in prepared), min(b.host for b in prepared))
+        plan = Plan.make(layout.manifest, policy, budgets, target.pinned_cost, world.local_size)
+        warnings = world.together(lambda: preflight(layout, plan, policy, target, world.local_size), "checking memory")
+        for warning in warnings[world.rank] if world.leads else ():
             print(f"zerolite: warning: {warning}", file=sys.stderr)
-        loaded = [layout.manifest.block(name) for name in plan.loaded]
-        with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
-            executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE)
-        if executor.experts_note:
+
+        def execute() -> None:
+            nonlocal executor
+            loaded = [layout.manifest.block(name) for name in plan.loaded]
+            with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
+                executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE, world)
+
+        world.together(execute, "loading")
+        if executor.experts_note and world.leads:
             print(f"zerolite: {executor.experts_note}", file=sys.stderr)
     except BaseException:
+        if executor is not None:
+            executor.close()
         if draft_lm is not None:
             draft_lm.close()
         raise
-    return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s)
+    return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s, world)
+
+
+def rank_device(policy: Policy, world: World) -> Device:
+    """The policy's device, each rank on its own GPU under torchrun: cuda is LOCAL_RANK's."""
+    spec = policy.device
+    if not isinstance(spec, str) or spec == "cpu" or world.local_size == 1:
+        return policy.target()
+    if spec.startswith("cuda:"):
+        raise ZeroliteError(f"--device {spec} would put the {world.local_size} ranks of a node on one GPU: give --device "
+                            "cuda, and each rank takes the GPU of its LOCAL_RANK")
+    if spec == "auto" and not cuda_available():
+        return policy.target()
+    count = torch.cuda.device_count()
+    if world.local_rank >= count:
+        raise ZeroliteError(f"{world.local_size} ranks on this node but {count} GPU{'s' if count != 1 else ''}: give "
+                            f"torchrun --nproc-per-node {count} or less")
+    return resolve(f"cuda:{world.local_rank}")
 
 
 def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,
@@ -264,7 +318,7 @@ def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, dev
     folder = draft_layout(spec, target, group_size, show_progress)
     check_same_vocabulary(tokenizer, AutoConfig.from_pretrained(target.folder), folder)
     check_draft_fits(Layout.open(folder), device)
-    draft = load(folder, offload="none", device=device, show_progress=show_progress)
+    draft = load(folder, offload="none", device=device, show_progress=show_progress, world=SINGLE)  # each rank its own
     if spec in SELF_DRAFTS:
         quantize_head(draft)
     return draft

@@ -6,7 +6,8 @@ or, when not given, what is free now less headroom for what the run itself needs
 The headroom is the ring of slots (their size is known, and on a GPU their host buffers are pinned:
 counted at what pinning them really takes) plus a reserve for activations and the
 K/V cache, which depend on the batch and lengths the plan cannot know yet: a tenth of the memory,
-at least RESERVE_BYTES. --batch-size auto later fills what the weights left.
+at least RESERVE_BYTES. --batch-size auto later fills what the weights left. The host budget is a
+node's: the ranks torchrun starts on it hold one copy of the weights, and a ring and headroom each.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ class Budgets:
     host: int     # bytes of layers that may stay in host memory instead of streaming from disk
 
     @classmethod
-    def make(cls, manifest: Manifest, policy: Policy, device: Device) -> Budgets:
+    def make(cls, manifest: Manifest, policy: Policy, device: Device, ranks_here: int = 1) -> Budgets:
+        """ranks_here: the ranks on this node (torchrun). They share one host copy of the layers
+        (and, on a CPU, of the resident blocks), so --cpu-memory is the node's; each has its own
+        ring and its own headroom."""
         layers = manifest.layer_names
         slot = max((manifest.block(name).length for name in layers), default=0)
         ring_on_device = policy.prefetch_depth * slot if device.separate_memory else 0
@@ -46,7 +50,7 @@ class Budgets:
         else:
             memory = psutil.virtual_memory()
             always = 0 if device.separate_memory else manifest.nbytes(b.name for b in manifest.blocks if b.name not in layers)
-            in_host = max(memory.available - ring_on_host - always - reserve(memory.total), 0)
+            in_host = max(memory.available - ranks_here * (ring_on_host + reserve(memory.total)) - always, 0)
         return cls(on_device, in_host)
 
 

@@ -87,6 +87,11 @@ class Device:
         """Host memory that pinned_empty(nbytes) really takes (and locks): what budgets count."""
         return host_bytes(nbytes)
 
+    def adopt_host(self, array: ctypes.Array, mapping: mmap.mmap) -> torch.Tensor:
+        """A uint8 tensor over host memory mapped elsewhere (the node's shared copy), page-locked
+        where copies need it; the tensor keeps the mapping alive."""
+        return torch.frombuffer(array, dtype=torch.uint8)
+
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of the device's memory."""
         raise NotImplementedError
@@ -196,6 +201,9 @@ class CudaDevice(Device):
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return registered_host_memory(max(nbytes, 1))[:nbytes]
 
+    def adopt_host(self, array: ctypes.Array, mapping: mmap.mmap) -> torch.Tensor:
+        return registered(array, mapping, "the node's shared host copy")
+
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.torch_device)
 
@@ -223,13 +231,17 @@ CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the c
 def registered_host_memory(nbytes: int) -> torch.Tensor:
     """nbytes of anonymous memory (huge pages where the kernel gives them: zerolite.io.host_mapping),
     page-locked for the GPU."""
-    array, mapping = host_mapping(host_bytes(nbytes))
+    return registered(*host_mapping(host_bytes(nbytes)), "host memory")
+
+
+def registered(array: ctypes.Array, mapping: mmap.mmap, what: str) -> torch.Tensor:
+    """array (inside mapping) page-locked for the GPU, as a uint8 tensor that keeps both alive."""
     address = ctypes.addressof(array)
     cudart = torch.cuda.cudart()
     status = int(cudart.cudaHostRegister(address, len(array), CUDA_HOST_REGISTER_PORTABLE))
     if status != 0:
         raise ZeroliteError(
-            f"pinning {nbytes / 1e9:.2f} GB of host memory failed (cudaError {status}): lower --cpu-memory or --prefetch-depth"
+            f"pinning {len(array) / 1e9:.2f} GB of {what} failed (cudaError {status}): lower --cpu-memory or --prefetch-depth"
         )
     array._registration = _Registration(mapping, address, cudart)  # dies with the last tensor using the array
     tensor = torch.frombuffer(array, dtype=torch.uint8)

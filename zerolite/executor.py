@@ -35,6 +35,7 @@ from zerolite.experts import find_experts
 from zerolite.io import IoEngine
 from zerolite.layout import Layout
 from zerolite.manifest import DTYPES
+from zerolite.node_copy import NodeCopy
 from zerolite.plan import Plan
 from zerolite.policy import Policy
 from zerolite.quantized_linear import install as install_quantized_linears
@@ -43,16 +44,19 @@ from zerolite.schedule import Schedule
 from zerolite.slots import Slots
 from zerolite.store import DiskStore, MemoryStore
 from zerolite.timeline import NO_TIMELINE
+from zerolite.world import SINGLE, World
 
 GENERATION_CONFIG = "generation_config.json"
 
 
 class Executor:
-    def __init__(self, layout: Layout, policy: Policy, plan: Plan, device: Device, progress=None, timeline=NO_TIMELINE):
+    def __init__(self, layout: Layout, policy: Policy, plan: Plan, device: Device, progress=None, timeline=NO_TIMELINE,
+                 world: World = SINGLE):
         """Builds the model and makes it ready to run the plan: resident blocks read and bound, hooks set.
 
         progress (a ByteProgress) is advanced by the bytes read while loading; timeline (a
-        Timeline) records reads, copies, waits, compute and steps while the model runs.
+        Timeline) records reads, copies, waits, compute and steps while the model runs. world:
+        the ranks of a torchrun job, whose ranks on one node share what host memory holds.
         """
         manifest = layout.manifest
         self.layout = layout
@@ -70,13 +74,17 @@ class Executor:
         self.per_expert, self.experts_note = streamed_per_expert(self.model, layout, plan, policy, device)
         started = time.perf_counter()
         self.guess = ExpertGuess(self.model, manifest, self.per_expert, self.disk, device)
-        for name, data in load_resident(self.disk, plan.resident, device, progress):
+        memory = host_memory(self.disk, plan, device, world, progress)
+        for name, data in load_resident(self.disk, [n for n in plan.resident if not memory.holds(n)], device, progress):
             self._bindings[name].bind(data)
-        memory = MemoryStore.load(self.disk, list(plan.in_memory), device.pinned_empty, progress)
+        for name in plan.resident:
+            if memory.holds(name):
+                self._bindings[name].bind(memory.bytes_of(name))
         self._loaded_bytes = self.disk.bytes_read
         # The disk's speed as loading saw it: reading blocks again just to time the disk would make
         # some disks (virtual ones) serve the run that follows up to 2x slower.
-        self.load_read_gbps = self._loaded_bytes / max(time.perf_counter() - started, 1e-9) / 1e9
+        self.load_read_gbps = (memory.read_gbps if isinstance(memory, NodeCopy)
+                               else self._loaded_bytes / max(time.perf_counter() - started, 1e-9) / 1e9)
         slot_bytes = max((manifest.block(name).length for name in plan.streamed), default=0)
         self.expert_cache = (ExpertCache(plan.expert_cache, device.pinned_empty)
                              if self.per_expert and plan.expert_cache else None)
@@ -209,6 +217,16 @@ class Executor:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def host_memory(disk: DiskStore, plan: Plan, device: Device, world: World, progress) -> MemoryStore:
+    """The streamed layers the plan holds in host memory (pinned on a GPU). Where several ranks
+    run on one node, one copy for all of them, which on a CPU also holds the resident blocks
+    (host memory is the device's there)."""
+    if world.local_size > 1:
+        names = list(plan.in_memory) + ([] if device.separate_memory else list(plan.resident))
+        return NodeCopy.load(disk, names, device, world, progress)
+    return MemoryStore.load(disk, list(plan.in_memory), device.pinned_empty, progress)
 
 
 def streamed_per_expert(model: nn.Module, layout: Layout, plan: Plan, policy: Policy,

@@ -28,13 +28,15 @@ class Plan:
     expert_cache: int = 0       # bytes of host memory keeping experts read from disk across steps
 
     @classmethod
-    def make(cls, manifest: Manifest, policy: Policy, budgets: Budgets, host_cost=lambda nbytes: nbytes) -> Plan:
+    def make(cls, manifest: Manifest, policy: Policy, budgets: Budgets, host_cost=lambda nbytes: nbytes,
+             ranks_here: int = 1) -> Plan:
         """The embeddings, the head and the final norm run at every step and are small beside the
         layers: always resident. Layers go to the device while its budget lasts, then (with
         --offload nvme) to host memory while that budget lasts; the rest stay on disk.
 
         host_cost(nbytes) is the host memory a layer of nbytes really takes there (pinned memory
-        is rounded: Device.pinned_cost)."""
+        is rounded: Device.pinned_cost). ranks_here share the node's layers in host memory, but
+        each keeps experts of its own: the expert cache is split between them."""
         names = [block.name for block in manifest.blocks]
         if policy.offload == "none":
             return cls(tuple(names), (), ())
@@ -50,7 +52,7 @@ class Plan:
         on_disk = tuple(rest[len(in_memory):])
         # What the layers held whole leave of the host budget keeps experts read from disk instead.
         routed = policy.experts == "routed" and any(manifest.block(name).experts for name in on_disk)
-        cache = budgets.host - len(in_memory) * host_cost(widest) if routed else 0
+        cache = (budgets.host - len(in_memory) * host_cost(widest)) // ranks_here if routed else 0
         return cls(resident, tuple(rest), on_disk, max(cache, 0))
 
     @property

@@ -19,7 +19,9 @@ from zerolite.policy import Policy
 from zerolite.resident import STAGING_BYTES
 
 
-def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device) -> list[str]:
+def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_here: int = 1) -> list[str]:
+    """ranks_here: the ranks on this node (torchrun), which share one copy of what host memory
+    holds of the weights, each with its own ring and expert cache."""
     manifest = layout.manifest
     separate = device.separate_memory
     resident = manifest.nbytes(plan.resident)
@@ -33,13 +35,18 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device) -> lis
         # loading, then the memory tier and the ring's read buffers. Pinned memory cannot be
         # swapped out, so it is checked against what is physically available, at what pinning
         # really takes (RLIMIT_MEMLOCK does not bound cudaHostRegister, so it says nothing here).
-        in_memory = sum(device.pinned_cost(manifest.block(name).length) for name in plan.in_memory)
+        shared = sum(device.pinned_cost(manifest.block(name).length) for name in plan.in_memory)
+        each = host_slots + device.pinned_cost(plan.expert_cache)
         staging = 2 * device.pinned_cost(STAGING_BYTES) if plan.resident else 0
-        host_needed = max(staging, in_memory + host_slots + device.pinned_cost(plan.expert_cache))
+        host_needed = max(ranks_here * staging, shared + ranks_here * each)
         what = "pins"
     else:
-        host_needed = resident + manifest.nbytes(plan.in_memory) + host_slots + plan.expert_cache
+        shared = resident + manifest.nbytes(plan.in_memory)
+        each = host_slots + plan.expert_cache
+        host_needed = shared + ranks_here * each
         what = "holds"
+    if ranks_here > 1:
+        what += f" (for the {ranks_here} ranks on this node: one copy of {shared / 1e9:.1f} GB, and {each / 1e9:.1f} GB each)"
     if host_needed > available:
         if policy.offload == "none":
             fix = "use --offload nvme to stream the layers from disk"
