@@ -3,6 +3,7 @@
     import zerolite
     lm = zerolite.load("/nvme/bloom", offload="nvme")
     out = lm.generate(**lm.tokenizer(prompts, return_tensors="pt", padding=True), max_new_tokens=100)
+    zerolite.generate_file(lm, "prompts.jsonl", "out.jsonl", zerolite.Sampling(max_new_tokens=64))  # every rank, under torchrun
 """
 
 from zerolite.openmp import prefer_passive_waits
@@ -11,13 +12,14 @@ prefer_passive_waits()  # before anything loads torch: see zerolite/openmp.py
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "OffloadedLM"]
+__all__ = ["load", "OffloadedLM", "generate_file", "Sampling"]
+HOMES = {"load": "api", "OffloadedLM": "api", "generate_file": "job", "Sampling": "generate"}
 
 
 def __getattr__(name: str):
     # torch and transformers load only when the API is first used, so `zerolite --help` stays quick.
-    if name in __all__:
-        from zerolite import api
+    if name in HOMES:
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module(f"zerolite.{HOMES[name]}"), name)
     raise AttributeError(f"module 'zerolite' has no attribute {name!r}")

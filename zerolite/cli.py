@@ -18,6 +18,7 @@ from rich.table import Table
 
 from zerolite.errors import ZeroliteError, describe
 from zerolite.progress import stderr
+from zerolite.world import RankFailed
 
 app = typer.Typer(
     name="zerolite",
@@ -146,41 +147,47 @@ def generate(
     stats_json: Annotated[Path | None, typer.Option("--stats-json", help="Write timings, bytes read and peak memory here.")] = None,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Read pickled .bin weights when converting (weights_only=True).")] = False,
 ) -> None:
-    """Generate text with a model streamed from NVMe or CPU memory."""
+    """Generate text with a model streamed from NVMe or CPU memory (under torchrun, on every rank)."""
+    arguments = {k: v for k, v in locals().items() if k not in RANK_ZEROS_OWN}
     import json
 
     import zerolite
     from zerolite.convert import write_atomically
     from zerolite.expert_counts import summary_line
     from zerolite.generate import Sampling, generate_all
-    from zerolite.outputs import CompletionLog
+    from zerolite.job import open_job
     from zerolite.prompts import prompts_from_arguments, read_prompts
 
-    if prompts and input_file is not None:
-        raise ZeroliteError("give prompts as arguments or --input FILE, not both")
-    if not prompts and input_file is None:
-        raise ZeroliteError('nothing to generate from: give a prompt (zerolite generate "Once upon a time") or --input FILE.jsonl')
-    if output is not None and input_file is not None and output.resolve() == input_file.resolve():
-        raise ZeroliteError(f"--output {output} is the --input file: write the completions elsewhere")
-    for target in (output, stats_json):
-        if target is not None and not target.parent.is_dir():
-            raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
-    todo = read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
-    sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
-    if draft is not None and batch_size not in (None, "1"):
-        raise ZeroliteError(f"--draft runs prompts one at a time (speculative decoding is for batch 1), and --batch-size "
-                            f"is {batch_size}: leave out --batch-size, or leave out --draft to batch them")
-    batch = 1 if draft is not None else parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
-    policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload, experts=experts)  # sizes parsed by load
-
+    world = start_world(arguments)
     with ExitStack() as stack:
-        log = stack.enter_context(CompletionLog.open(output)) if output is not None else None
-        if log is not None and all(p.id in log.done for p in todo):
-            stderr.print(f"every prompt already has its completion in {output}: nothing to do")
+        def read() -> list:
+            if prompts and input_file is not None:
+                raise ZeroliteError("give prompts as arguments or --input FILE, not both")
+            if not prompts and input_file is None:
+                raise ZeroliteError('nothing to generate from: give a prompt (zerolite generate "Once upon a time") or --input FILE.jsonl')
+            if output is not None and input_file is not None and output.resolve() == input_file.resolve():
+                raise ZeroliteError(f"--output {output} is the --input file: write the completions elsewhere")
+            for target in (output, stats_json):
+                if target is not None and not target.parent.is_dir():
+                    raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
+            Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
+            if draft is not None and batch_size not in (None, "1"):
+                raise ZeroliteError(f"--draft runs prompts one at a time (speculative decoding is for batch 1), and --batch-size "
+                                    f"is {batch_size}: leave out --batch-size, or leave out --draft to batch them")
+            parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+            return read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
+
+        todo, done, log = open_job(world, stack, read, output)
+        if output is not None and all(p.id in done for p in todo):
+            if world.leads:
+                stderr.print(f"every prompt already has its completion in {output}: nothing to do")
             return
+        sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
+        batch = 1 if draft is not None else parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+        policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload, experts=experts)  # sizes parsed by load
         lm = stack.enter_context(zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype,
                                                allow_pickle=allow_pickle, prefetch_depth=prefetch_depth, draft=draft,
-                                               draft_group_size=draft_group_size, **policy))
+                                               draft_group_size=draft_group_size, world=world, **policy))
 
         def show(batch) -> None:
             if log is not None:
@@ -189,14 +196,18 @@ def generate(
             for c in batch:
                 typer.echo(((c.prompt or "") + c.completion if not chat else c.completion) if c.completion is not None else json.dumps(c.token_ids))
 
-        stats = generate_all(lm, todo, sampling, batch, show, done=log.done if log is not None else frozenset(),
-                             on_start=lambda size, tokens: show_plan(lm, size, tokens, chosen=batch is None))
+        stats = generate_all(lm, todo, sampling, batch, show, done=done,
+                             on_start=lambda size, tokens: world.leads and show_plan(lm, size, tokens, chosen=batch is None))
+    if not world.leads:
+        return
     if stats_json is not None:
         write_atomically(stats_json, json.dumps(stats.to_dict(), indent=2) + "\n")
     summary = stats.to_dict()
+    ranks = f" on {stats.ranks} ranks" if stats.ranks > 1 else ""
     stderr.print(
-        f"[dim]{stats.new_tokens} new tokens for {len(todo)} prompt{'s' if len(todo) != 1 else ''}; prefill {stats.prefill_s:.2f} s, decode "
-        f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s), {stats.bytes_read / 1e9:.2f} GB read[/dim]",
+        f"[dim]{stats.new_tokens} new tokens for {len(todo)} prompt{'s' if len(todo) != 1 else ''}{ranks}; prefill {stats.prefill_s:.2f} s, decode "
+        f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s{' in all' if ranks else ''}), "
+        f"{stats.bytes_read / 1e9:.2f} GB read[/dim]",
         soft_wrap=True,
     )
     if stats.experts is not None:
@@ -231,7 +242,9 @@ def profile(
     draft: Annotated[str | None, typer.Option(help="As for generate: speculative decoding at batch 1, its guesses on a track of their own.")] = None,
     draft_group_size: Annotated[int | None, typer.Option("--draft-group-size", help="As for generate.")] = None,
 ) -> None:
-    """Show where each step's time goes and what limits it: disk, copies, compute or prefetch."""
+    """Show where each step's time goes and what limits it: disk, copies, compute or prefetch (under
+    torchrun: every rank at once, reported per rank and in total; rank 0 writes --trace and --plot)."""
+    arguments = dict(locals())
     import json
 
     for target in (trace, plot):
@@ -256,19 +269,31 @@ def profile(
     if draft is not None and batch_size != 1:
         raise ZeroliteError(f"--draft profiles speculative decoding, which runs at batch 1, and --batch-size is {batch_size}: "
                             "leave out --batch-size, or leave out --draft")
+    world = start_world(arguments)
     timeline = Timeline()
     policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload, experts=experts)  # sizes parsed by load
     with zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype, allow_pickle=allow_pickle,
                        prefetch_depth=prefetch_depth, timeline=timeline, show_progress=not as_json, draft=draft,
-                       draft_group_size=draft_group_size, **policy) as lm:
-        if not as_json:
+                       draft_group_size=draft_group_size, world=world, **policy) as lm:
+        if not as_json and world.leads:
             show_plan(lm, batch_size, prompt_tokens + new_tokens)
         report = profile_run(lm, timeline, batch_size, new_tokens, prompt_tokens)
+        every = world.together(lambda: report.to_dict(), "profiling")
+    if not world.leads:
+        return
+    if world.distributed:
+        totals = rank_totals(every)
+        if as_json:
+            typer.echo(json.dumps({"ranks": every, "total": totals}, indent=2))
+        else:
+            show_rank_reports(every, totals)
     if trace is not None:
         write_trace(timeline, trace)
     if plot is not None:
         plot_timeline(timeline, plot, report.verdict,
                       f"{offload} offload, depth {prefetch_depth}, batch {batch_size}, {report.decode_step_s * 1e3:.0f} ms per decode step")
+    if world.distributed:
+        return
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -331,6 +356,29 @@ def serve(
 
 
 DEFAULT_BATCH_SIZE = "8"
+# What rank 0 alone reads and writes under torchrun: the other ranks' values of these are not used.
+RANK_ZEROS_OWN = ("input_file", "output", "stats_json")
+
+
+def start_world(arguments: dict):
+    """The ranks of this job (one without torchrun), once each has checked that every rank was
+    given the arguments rank 0 was."""
+    from zerolite.world import World
+
+    world = World.from_env()
+    world.start()
+    given = world.together(lambda: arguments, "starting")
+    world.together(lambda: same_arguments(given), "checking the arguments")
+    return world
+
+
+def same_arguments(given: list[dict]) -> None:
+    for rank, arguments in enumerate(given):
+        differ = [name for name in arguments if arguments[name] != given[0][name]]
+        if differ:
+            name = differ[0]
+            raise ZeroliteError(f"rank {rank} was started with --{name.replace('_', '-')} {arguments[name]!r}, rank 0 with "
+                                f"{given[0][name]!r}: give every node the same zerolite command")
 
 
 def parse_batch_size(text: str, flag: str = "--batch-size", what: str = "prompts") -> int | None:
@@ -355,6 +403,42 @@ def show_plan(lm, batch_size: int, tokens: int, chosen: bool = False) -> None:
         lines.append(f"batch size: {batch_size} (auto: the largest that fits)")
     for line in lines:
         stderr.print(f"[dim]{line}[/dim]", highlight=False, soft_wrap=True)
+
+
+def rank_totals(every: list[dict]) -> dict:
+    """A torchrun profile's job: tokens/s and read rates add up over ranks running at once."""
+    return {
+        "ranks": len(every),
+        "decode_tokens_per_s": sum(r["batch_size"] / r["decode_step_s"] for r in every),
+        "streamed_bytes_per_step": sum(r["streamed_bytes_per_step"] for r in every),
+        "achieved_read_gbps": sum(r["achieved_read_gbps"] or 0 for r in every) or None,
+        "read_gbps": sum(r["read_gbps"] or 0 for r in every) or None,
+    }
+
+
+def show_rank_reports(every: list[dict], totals: dict) -> None:
+    """One row per rank, then the job's totals, and each rank's verdict."""
+    from rich.console import Console
+
+    first = every[0]
+    table = Table(title=f"zerolite profile: {first['offload']} offload, {len(every)} ranks, depth {first['prefetch_depth']}, "
+                        f"batch {first['batch_size']} each")
+    for column in ("rank", "device", "decode step", "tokens/s", "streamed per step", "achieved read", "read-only pass", "limited by"):
+        table.add_column(column, justify="left" if column in ("device", "limited by") else "right")
+
+    def rate(gbps):
+        return f"{gbps:.2f} GB/s" if gbps else "-"
+
+    for rank, r in enumerate(every):
+        table.add_row(str(rank), r["device"], f"{r['decode_step_s'] * 1e3:.1f} ms", f"{r['batch_size'] / r['decode_step_s']:.1f}",
+                      f"{r['streamed_bytes_per_step'] / 1e9:.3f} GB", rate(r["achieved_read_gbps"]), rate(r["read_gbps"]),
+                      r["bottleneck"])
+    table.add_row("all", "", "", f"{totals['decode_tokens_per_s']:.1f}", f"{totals['streamed_bytes_per_step'] / 1e9:.3f} GB",
+                  rate(totals["achieved_read_gbps"]), rate(totals["read_gbps"]), "", style="bold")
+    out = Console()
+    out.print(table)
+    for rank, r in enumerate(every):
+        out.print(f"rank {rank}: {r['verdict']}")
 
 
 def show_report(report) -> None:
@@ -414,6 +498,11 @@ def main() -> None:
     debug = "--debug" in argv
     try:
         code = app(args=[a for a in argv if a != "--debug"], standalone_mode=False)
+    except RankFailed as e:  # every rank raised it; rank 0 says it
+        if e.printer:
+            print(f"zerolite: error: {e}", file=sys.stderr, flush=True)
+        e.part_ways()
+        sys.exit(1)
     except ZeroliteError as e:
         fail(str(e), debug)
     except TyperException as e:  # usage errors: a missing argument, a bad option value

@@ -9,6 +9,7 @@ expects for decoder-only models; every batch is one transformers generate call.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import resource
 import time
 from collections.abc import Callable
@@ -64,7 +65,26 @@ class RunStats:
     peak_rss_bytes: int = 0
     peak_device_bytes: int | None = None
     speculation: SpeculationStats | None = None   # with a draft: its rounds, guesses and times
+    ranks: int = 1               # the torchrun ranks these are the totals of
 
+    @classmethod
+    def across(cls, every: list[RunStats]) -> RunStats:
+        """A job's totals over its ranks: counts add up, times and peaks are the largest rank's (the
+        ranks run at once, each in a process of its own)."""
+        def total(field: str):
+            return sum(getattr(stats, field) for stats in every)
+
+        def most(field: str):
+            values = [getattr(stats, field) for stats in every if getattr(stats, field) is not None]
+            return max(values) if values else None
+
+        def added(field: str):
+            parts = [getattr(stats, field) for stats in every if getattr(stats, field) is not None]
+            return type(parts[0])(*map(sum, zip(*map(dataclasses.astuple, parts)))) if parts else None
+
+        return cls(**{f: most(f) for f in ("load_s", "convert_s", "prefill_s", "decode_s", "peak_rss_bytes", "peak_device_bytes")},
+                   **{f: total(f) for f in ("new_tokens", "decode_tokens", "decode_steps", "bytes_read", "forwards")},
+                   experts=added("experts"), speculation=added("speculation"), ranks=len(every))
 
     def to_dict(self) -> dict:
         return {
@@ -80,6 +100,7 @@ class RunStats:
             **(self.experts.summary(self.bytes_read, self.forwards) if self.experts is not None else {}),
             "peak_rss_bytes": self.peak_rss_bytes,
             "peak_device_bytes": self.peak_device_bytes,
+            **({"ranks": self.ranks} if self.ranks > 1 else {}),
             **(speculation_dict(self.speculation) if self.speculation is not None else {}),
         }
 
@@ -151,14 +172,32 @@ def generate_all(
     largest batch that runs (fewer than batch_size when fewer prompts are left) and the longest
     sequence among them, once the prompts are checked and before anything runs (if anything does).
     The engine, the slots and the resident blocks stay warm from one batch to the next.
+
+    Under torchrun (lm.world) every rank calls this alike, with rank 0's prompts and done: the
+    batches left are dealt out in rounds, batch r * ranks + rank to each rank, and after every
+    round rank 0 alone hands all of its batches to on_batch, in input order, and shows the
+    progress; it returns the totals over every rank (RunStats.across), the others their own.
     """
-    if batch_size is not None and batch_size < 1:
-        raise ZeroliteError(f"--batch-size must be at least 1, got {batch_size}")
-    encoded = encode(lm, prompts, sampling.chat)
-    check_context(lm, prompts, encoded, sampling.max_new_tokens)
-    if batch_size is None:
-        batch_size = largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens)
-    batches = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
+    world = lm.world
+    encoded: list[list[int]] = []
+    batches: list[range] = []
+
+    def prepare() -> None:
+        nonlocal encoded, batches
+        if batch_size is not None and batch_size < 1:
+            raise ZeroliteError(f"--batch-size must be at least 1, got {batch_size}")
+        encoded = encode(lm, prompts, sampling.chat)
+        check_context(lm, prompts, encoded, sampling.max_new_tokens)
+        size = batch_size or min(world.together(  # the largest every rank's memory holds
+            lambda: largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens), "choosing the batch size"))
+        batches = [range(start, min(start + size, len(prompts))) for start in range(0, len(prompts), size)]
+        if len(batches) < world.size:
+            raise ZeroliteError(f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''} in batches of {size} make "
+                                f"{len(batches)} batch{'es' if len(batches) != 1 else ''}, too few for {world.size} ranks: "
+                                f"run {len(batches)} rank{'s' if len(batches) != 1 else ''} (torchrun --nproc-per-node), "
+                                "or give a smaller --batch-size")
+
+    world.together(prepare, "preparing the prompts")
     batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
     running = [i for rows in batches for i in rows]
     if running:
@@ -168,25 +207,23 @@ def generate_all(
     bytes_before = lm.bytes_read
     experts_before = lm.expert_counts()
     speculation_before = copy.copy(lm.speculator.stats) if lm.speculator is not None else None
+    show_progress = show_progress and world.leads
     with token_progress("generating", len(running) * sampling.max_new_tokens, enabled=show_progress) as progress:
-        for number, rows in enumerate(batches, start=1):
-            progress.note(f"batch {number}/{len(batches)}")
-            input_ids, attention_mask = left_pad([encoded[i] for i in rows], config.pad_token_id)
-            clock = StepClock(progress.advance)
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
-            output = lm.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock
-            )
-            new = output[:, input_ids.shape[1] :].cpu()
-            completions = [finish(lm, prompts[i], new[k].tolist(), config) for k, i in enumerate(rows)]
-            stats.prefill_s += clock.prefill_s
-            stats.decode_s += clock.decode_s
-            stats.decode_tokens += clock.decode_tokens
-            stats.decode_steps += clock.decode_steps
-            stats.forwards += 1 + clock.decode_steps
-            stats.new_tokens += sum(len(c.token_ids) for c in completions)
-            on_batch(completions)
+        for start in range(0, len(batches), world.size):
+            deal = batches[start:start + world.size]
+            progress.note(f"batch {start + 1}/{len(batches)}" if len(deal) == 1 else
+                          f"batches {start + 1}-{start + len(deal)}/{len(batches)} on {world.size} ranks")
+
+            def run_mine() -> tuple[list[Completion], int] | None:
+                rows = deal[world.rank] if world.rank < len(deal) else None
+                return run_batch(lm, prompts, encoded, rows, sampling, config, stats, progress) if rows else None
+
+            for rank, result in enumerate(world.together(run_mine, "generating")):
+                if result is not None and world.leads:
+                    completions, tokens = result
+                    if rank != world.rank:
+                        progress.advance(tokens)
+                    on_batch(completions)
     stats.bytes_read = lm.bytes_read - bytes_before
     if lm.executor.per_expert:
         stats.experts = lm.expert_counts().since(experts_before)
@@ -194,7 +231,29 @@ def generate_all(
         stats.speculation = lm.speculator.stats.since(speculation_before)
     stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stats.peak_device_bytes = lm.device.peak_allocated()
-    return stats
+    if not world.distributed:
+        return stats
+    every = world.together(lambda: stats, "adding up")
+    return RunStats.across(every) if world.leads else stats
+
+
+def run_batch(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], rows: range, sampling: Sampling, config,
+              stats: RunStats, progress) -> tuple[list[Completion], int]:
+    """One batch through one generate call: its completions, and the tokens its steps made."""
+    input_ids, attention_mask = left_pad([encoded[i] for i in rows], config.pad_token_id)
+    clock = StepClock(progress.advance)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    output = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock)
+    new = output[:, input_ids.shape[1] :].cpu()
+    completions = [finish(lm, prompts[i], new[k].tolist(), config) for k, i in enumerate(rows)]
+    stats.prefill_s += clock.prefill_s
+    stats.decode_s += clock.decode_s
+    stats.decode_tokens += clock.decode_tokens
+    stats.decode_steps += clock.decode_steps
+    stats.forwards += 1 + clock.decode_steps
+    stats.new_tokens += sum(len(c.token_ids) for c in completions)
+    return completions, sum(clock.tokens[1:])
 
 
 def encode(lm: OffloadedLM, prompts: list[Prompt], chat: bool) -> list[list[int]]:

@@ -47,11 +47,20 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
         kv += f", {batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype) / 1e9:.2f} GB in all at most (batch {batch_size} x {tokens} tokens)"
     lines.append(kv)
 
+    world = lm.world
+    if world.distributed:
+        held = [name for name in plan.loaded if name in plan.in_memory or not lm.device.separate_memory]
+        lines.append(f"ranks: {world.size}, {world.local_size} on this node"
+                     + (", each on a GPU of its own" if lm.device.separate_memory else "")
+                     + (f"; the node's ranks share one copy of what host memory holds ({size(held)})"
+                        if world.local_size > 1 and held else ""))
     if plan.on_disk:
         gbps = lm.load_read_gbps
+        shared = world.local_size
         lines.append(f"bound: reading {per_step / 1e9:.2f} GB per step{' at batch 1' if routed else ''} takes "
-                     f"{per_step / (gbps * 1e9):.3f} s at the {gbps:.2f} GB/s loading read; a step takes the longer "
-                     "of that and its compute")
+                     f"{per_step * shared / (gbps * 1e9):.3f} s at the {gbps:.2f} GB/s loading read"
+                     + (f", which the {shared} ranks on this node share when they read the same disk" if shared > 1 else "")
+                     + "; a step takes the longer of that and its compute")
     if lm.draft is not None:
         draft = lm.draft.layout.manifest
         lines.append(f"draft: {lm.draft.layout.folder.name} held on {device} "
