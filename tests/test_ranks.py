@@ -1,0 +1,169 @@
+"""Data parallel under torchrun: two ranks (gloo on loopback) write what one process writes, share
+one host copy per node, survive a rank's SIGKILL by a rerun, and end bad input in one line.
+
+Each case starts real torchrun jobs (a few seconds each): through the command line, and through
+the Python API (tests/rank_worker.py) on the CPU, on simulated asynchronous devices and on GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_runner import run
+
+LAYERS = 4
+PROMPTS = 10
+BATCH = 2
+NEW_TOKENS = 6
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+WORKER = str(Path(__file__).with_name("rank_worker.py"))
+
+
+@pytest.fixture(scope="module")
+def layout(make_layout):
+    return make_layout("llama", layers=LAYERS)
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": list(range(3 + i, 8 + 2 * i))}) + "\n"
+                            for i in range(PROMPTS)))
+    return path
+
+
+def generate_args(layout, prompts, output, *more: str) -> list[str]:
+    return ["generate", "--model", str(layout), "--input", str(prompts), "--output", str(output), "--batch-size", str(BATCH),
+            "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu", *more]
+
+
+@pytest.fixture
+def reference(capsys, monkeypatch, tmp_path, layout, prompts) -> Path:
+    """One process's output, run in this one."""
+    output = tmp_path / "one-process.jsonl"
+    assert run(capsys, monkeypatch, *generate_args(layout, prompts, output)).code == 0
+    return output
+
+
+def torchrun(*args: str, ranks: int = 2, cwd=None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([*TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def two_nodes(node_args: list[list[str]], cwds: list[Path], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents on this machine, one rank each: two nodes as torchrun sees them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                                f"--master-port={port}", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for node, (args, cwd) in enumerate(zip(node_args, cwds))]
+    return [subprocess.CompletedProcess(agent.args, agent.wait(timeout), *agent.communicate()) for agent in agents]
+
+
+def lines_by_id(output: Path) -> dict:
+    lines = output.read_text().splitlines()
+    ids = [json.loads(line)["id"] for line in lines]
+    assert len(ids) == len(set(ids)), "an id written twice"
+    return dict(zip(ids, lines))
+
+
+def zerolite_lines(stderr: str) -> list[str]:
+    """What zerolite said (torchrun's own report of a failed job follows it)."""
+    return [line for line in stderr.splitlines() if line.startswith("zerolite:")]
+
+
+def assert_one_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode != 0
+    lines = zerolite_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("zerolite: error: ")
+    assert f"{os.sep}zerolite{os.sep}" not in result.stderr.replace(WORKER, ""), "a zerolite traceback"
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_two_ranks_write_what_one_process_writes(tmp_path, layout, prompts, reference, offload):
+    output = tmp_path / "two-ranks.jsonl"
+    result = torchrun("-m", "zerolite", *generate_args(layout, prompts, output, "--offload", offload, "--cpu-memory",
+                                                        "1GB" if offload == "cpu" else "0"))
+    assert result.returncode == 0, result.stderr
+    assert output.read_bytes() == reference.read_bytes()  # every id once, in input order, token for token
+    said = zerolite_lines(result.stderr) + [line for line in result.stderr.splitlines() if line.startswith(("plan:", "ranks:"))]
+    assert sum(line.startswith("plan:") for line in said) == 1, "rank 0 alone prints the plan"
+    assert any(line.startswith("ranks: 2, 2 on this node; the node's ranks share one copy") for line in said)
+    assert "on 2 ranks" in result.stderr
+
+
+def kill_and_rerun(tmp_path, layout, prompts, reference, device: str) -> None:
+    """Through the API: an uninterrupted run equals one process's; then a run whose rank 1 is
+    SIGKILLed as its second batch starts, and a rerun, leave every id once with the same tokens."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    output = tmp_path / "api.jsonl"
+    whole = torchrun(WORKER, str(layout), str(prompts), str(output), str(reports), "--device", device)
+    assert whole.returncode == 0, whole.stderr
+    assert output.read_bytes() == reference.read_bytes()
+    ranks = [json.loads((reports / f"rank{rank}.json").read_text()) for rank in range(2)]
+    if device == "cuda":
+        assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
+    assert ranks[0]["host_copy"] and ranks[0]["host_copy"] == ranks[1]["host_copy"], "one host copy, mapped by both"
+    if device == "sim":
+        assert ranks[0]["adopted"] > 0 and ranks[0]["adopted"] == ranks[1]["adopted"], "each rank registers the copy"
+
+    output = tmp_path / "killed.jsonl"
+    killed = torchrun(WORKER, str(layout), str(prompts), str(output), str(reports), "--device", device, "--die-at-batch", "2")
+    assert killed.returncode != 0
+    assert len(lines_by_id(output)) < PROMPTS
+    rerun = torchrun(WORKER, str(layout), str(prompts), str(output), str(reports), "--device", device)
+    assert rerun.returncode == 0, rerun.stderr
+    assert lines_by_id(output) == lines_by_id(reference)
+
+
+def test_a_rank_killed_mid_run_then_a_rerun_on_the_cpu(tmp_path, layout, prompts, reference):
+    kill_and_rerun(tmp_path, layout, prompts, reference, "cpu")
+
+
+@pytest.mark.cuda
+def test_a_rank_killed_mid_run_then_a_rerun_each_on_its_own_device(tmp_path, layout, prompts, reference, gpu):
+    """Each rank on a simulated device of its own (or on the GPU of its LOCAL_RANK), copying its
+    layers out of the node's one shared host copy."""
+    if gpu == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs two CUDA devices")
+    kill_and_rerun(tmp_path, layout, prompts, reference, "cuda" if gpu == "cuda" else "sim")
+
+
+def test_a_world_with_no_work_for_some_ranks(tmp_path, layout, prompts):
+    result = torchrun("-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl", "--batch-size", "4"), ranks=4)
+    assert_one_error(result, "10 prompts in batches of 4 make 3 batches, too few for 4 ranks", "--batch-size")
+    assert not (tmp_path / "out.jsonl").read_text()
+
+
+def test_mismatched_arguments_across_nodes(tmp_path, layout, prompts):
+    args = ["-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl")]
+    node0, node1 = two_nodes([args, [*args, "--max-new-tokens", "3"]], [tmp_path, tmp_path])
+    assert_one_error(node0, "rank 1 was started with --max-new-tokens 3, rank 0 with 6", "same zerolite command")
+    assert node1.returncode != 0 and not zerolite_lines(node1.stderr)
+
+
+def test_a_layout_missing_on_one_node(tmp_path, layout, prompts):
+    """The same command on two nodes, whose --model names a folder that only node 0 has."""
+    here, there = tmp_path / "node0", tmp_path / "node1"
+    here.mkdir()
+    there.mkdir()
+    (here / "layout").symlink_to(layout)
+    args = ["-m", "zerolite", *generate_args("layout", prompts, tmp_path / "out.jsonl")]
+    node0, node1 = two_nodes([args, args], [here, there])
+    assert_one_error(node0, "rank 1 on node 1", "layout does not exist")
+    assert node1.returncode != 0 and not zerolite_lines(node1.stderr)
