@@ -147,7 +147,23 @@ def test_a_rank_killed_mid_run_then_a_rerun_each_on_its_own_device(tmp_path, lay
 def test_a_world_with_no_work_for_some_ranks(tmp_path, layout, prompts):
     result = torchrun("-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl", "--batch-size", "4"), ranks=4)
     assert_one_error(result, "10 prompts in batches of 4 make 3 batches, too few for 4 ranks", "--batch-size")
+    assert "plan:" not in result.stderr, "refused before loading"
     assert not (tmp_path / "out.jsonl").read_text()
+
+
+def test_profile_reports_each_rank_and_the_job(layout):
+    result = torchrun("-m", "zerolite", "profile", "--model", str(layout), "--device", "cpu", "--cpu-memory", "0",
+                      "--batch-size", "2", "--new-tokens", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # rank 0 alone prints
+    assert len(report["ranks"]) == 2 and report["total"]["ranks"] == 2
+    assert report["total"]["decode_tokens_per_s"] == pytest.approx(sum(2 / r["decode_step_s"] for r in report["ranks"]))
+    assert all(r["streamed_bytes_per_step"] > 0 for r in report["ranks"])
+
+
+def test_serve_refuses_ranks(layout):
+    result = torchrun("-m", "zerolite", "serve", "--model", str(layout), "--port", "0")
+    assert_one_error(result, "zerolite serve runs as one process, and torchrun started 2")
 
 
 def test_mismatched_arguments_across_nodes(tmp_path, layout, prompts):

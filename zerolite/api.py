@@ -233,13 +233,13 @@ def load(
     for budget in ("gpu_memory", "cpu_memory"):
         if isinstance(policy.get(budget), str):
             policy[budget] = parse_size(policy[budget], "--" + budget.replace("_", "-"))
-    policy = Policy(offload=offload, device=device, **policy)
+    policy = world.each(lambda: Policy(offload=offload, device=device, **policy), "checking the arguments")
     started = time.perf_counter()
     # The node's first rank converts (if need be) before the others open what it wrote.
-    world.together(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress) if world.local_rank == 0 else None,
-                   "converting the model")
-    layout_folder = world.together(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress),
-                                   "opening the layout")[world.rank]
+    converted = world.each(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress) if world.local_rank == 0
+                           else None, "converting the model")
+    layout_folder = world.each(lambda: converted or ensure_layout(model, path, dtype, allow_pickle, show_progress),
+                               "opening the layout")
     convert_s = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -265,16 +265,16 @@ def load(
                 policy = dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
             return Budgets.make(layout.manifest, policy, target, world.local_size)
 
-        world.together(prepare, "opening the layout")
+        world.each(prepare, "opening the layout")
         if draft is not None:  # the node's first rank makes a self-draft's layout, as it converted the model's
-            world.together(lambda: draft_layout(str(draft), layout, draft_group_size, show_progress)
-                           if world.local_rank == 0 else None, "making the draft")
+            world.each(lambda: draft_layout(str(draft), layout, draft_group_size, show_progress)
+                       if world.local_rank == 0 else None, "making the draft")
         prepared = world.together(budget, "loading")
         # One plan for every rank: the node's host copy holds the same layers for all of them.
         budgets = Budgets(min(b.device for b in prepared), min(b.host for b in prepared))
         plan = Plan.make(layout.manifest, policy, budgets, target.pinned_cost, world.local_size)
-        warnings = world.together(lambda: preflight(layout, plan, policy, target, world.local_size), "checking memory")
-        for warning in warnings[world.rank] if world.leads else ():
+        warnings = world.each(lambda: preflight(layout, plan, policy, target, world.local_size), "checking memory")
+        for warning in warnings if world.leads else ():
             print(f"zerolite: warning: {warning}", file=sys.stderr)
 
         def execute() -> None:
@@ -283,7 +283,7 @@ def load(
             with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
                 executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE, world)
 
-        world.together(execute, "loading")
+        world.each(execute, "loading")
         if executor.experts_note and world.leads:
             print(f"zerolite: {executor.experts_note}", file=sys.stderr)
     except BaseException:

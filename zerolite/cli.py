@@ -35,7 +35,7 @@ GpuMemory = Annotated[str | None, typer.Option(
     show_default=False)]
 CpuMemory = Annotated[str | None, typer.Option(
     "--cpu-memory", help="Layers to keep in host memory before streaming the rest from disk, as 64GB; 0 streams every "
-    "layer (default: what is free, less headroom).", show_default=False)]
+    "layer (default: what is free, less headroom). Under torchrun, the node's: its ranks share one copy.", show_default=False)]
 # The same, as profile and serve take them (generate's own help says more).
 ModelAsForGenerate = Annotated[str | None, typer.Option(
     "--model", "-m", help="As for generate (default: the built-in model).")]
@@ -154,7 +154,7 @@ def generate(
     import zerolite
     from zerolite.convert import write_atomically
     from zerolite.expert_counts import summary_line
-    from zerolite.generate import Sampling, generate_all
+    from zerolite.generate import Sampling, check_work, generate_all
     from zerolite.job import open_job
     from zerolite.prompts import prompts_from_arguments, read_prompts
 
@@ -184,6 +184,8 @@ def generate(
             return
         sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed, chat)
         batch = 1 if draft is not None else parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+        if batch is not None:  # before minutes of loading (auto sizes are checked once known)
+            world.each(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
         policy = dict(gpu_memory=gpu_memory, cpu_memory=cpu_memory, kv_offload=kv_offload, experts=experts)  # sizes parsed by load
         lm = stack.enter_context(zerolite.load(model, offload=offload, path=path, device=device, dtype=dtype,
                                                allow_pickle=allow_pickle, prefetch_depth=prefetch_depth, draft=draft,
@@ -329,6 +331,8 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="The model id clients send (default: --model's name).")] = None,
 ) -> None:
     """Serve the model over OpenAI's API: concurrent requests share each pass over the weights."""
+    world = start_world(dict(locals()))
+    world.each(lambda: refuse_ranks(world.size), "starting")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -368,8 +372,14 @@ def start_world(arguments: dict):
     world = World.from_env()
     world.start()
     given = world.together(lambda: arguments, "starting")
-    world.together(lambda: same_arguments(given), "checking the arguments")
+    world.each(lambda: same_arguments(given), "checking the arguments")
     return world
+
+
+def refuse_ranks(ranks: int) -> None:
+    if ranks > 1:
+        raise ZeroliteError(f"zerolite serve runs as one process, and torchrun started {ranks}: start it without torchrun "
+                            "(the server batches its clients into each pass over the weights itself)")
 
 
 def same_arguments(given: list[dict]) -> None:

@@ -191,13 +191,9 @@ def generate_all(
         size = batch_size or min(world.together(  # the largest every rank's memory holds
             lambda: largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens), "choosing the batch size"))
         batches = [range(start, min(start + size, len(prompts))) for start in range(0, len(prompts), size)]
-        if len(batches) < world.size:
-            raise ZeroliteError(f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''} in batches of {size} make "
-                                f"{len(batches)} batch{'es' if len(batches) != 1 else ''}, too few for {world.size} ranks: "
-                                f"run {len(batches)} rank{'s' if len(batches) != 1 else ''} (torchrun --nproc-per-node), "
-                                "or give a smaller --batch-size")
+        check_work(len(prompts), size, world.size)
 
-    world.together(prepare, "preparing the prompts")
+    world.each(prepare, "preparing the prompts")
     batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
     running = [i for rows in batches for i in rows]
     if running:
@@ -235,6 +231,15 @@ def generate_all(
         return stats
     every = world.together(lambda: stats, "adding up")
     return RunStats.across(every) if world.leads else stats
+
+
+def check_work(prompts: int, batch_size: int, ranks: int) -> None:
+    """Every rank must get a batch: torchrun's world is fixed, and an idle rank is a GPU wasted."""
+    batches = -(-prompts // batch_size)
+    if batches < ranks:
+        raise ZeroliteError(f"{prompts} prompt{'s' if prompts != 1 else ''} in batches of {batch_size} make {batches} "
+                            f"batch{'es' if batches != 1 else ''}, too few for {ranks} ranks: run {batches} "
+                            f"rank{'s' if batches != 1 else ''} (torchrun --nproc-per-node), or give a smaller --batch-size")
 
 
 def run_batch(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], rows: range, sampling: Sampling, config,

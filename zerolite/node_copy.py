@@ -79,7 +79,7 @@ class NodeCopy(MemoryStore):
                 finally:
                     os.close(theirs)
 
-        world.together(attach, "mapping the node's host copy")
+        world.each(attach, "mapping the node's host copy")
         if world.local_rank == 0:
             os.close(fd)
         return cls({name: mine[offset:offset + disk.entry(name).length] for name, offset in offsets.items()}, gbps)

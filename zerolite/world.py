@@ -4,6 +4,7 @@ every rank learns every rank's result, or which rank failed and why.
     world = World.from_env()             # torchrun's RANK, WORLD_SIZE, LOCAL_RANK, ... (one rank without them)
     world.start()                        # the process group (gloo: small messages, on any device)
     sizes = world.together(lambda: measure(), "measuring")   # [rank 0's, rank 1's, ...] on every rank
+    plan = world.each(lambda: make_plan(), "planning")       # this rank's, once every rank has one
 
 A rank that raises inside together still takes part in the gather, carrying its error, so no rank
 waits forever on one that failed: every rank then raises RankFailed, naming the rank. A rank that
@@ -127,6 +128,12 @@ class World:
         if failures:
             raise RankFailed(failed_line(failures, self.size, what), self)
         return [value for value, _, _ in gathered]
+
+    def each(self, step: Callable[[], T], what: str) -> T:
+        """Runs step on every rank and returns this rank's result: only failures travel."""
+        mine = []
+        self.together(lambda: mine.append(step()), what)
+        return mine[0]
 
     def first(self, step: Callable[[], T], what: str) -> T:
         """step's result on rank 0, handed to every rank (the others run nothing)."""
