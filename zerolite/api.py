@@ -254,6 +254,8 @@ def load(
                     f"convert into another --path with --dtype {dtype}"
                 )
             target = rank_device(policy, world)
+            if world.distributed:  # what transformers allocates on "cuda" lands on this rank's GPU, not GPU 0
+                target.adopt_thread()
             tokenizer = load_tokenizer(layout_folder)
 
         def budget() -> Budgets:
