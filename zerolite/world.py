@@ -19,6 +19,7 @@ so the GPUs' links stay with the copies.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -104,6 +105,9 @@ class World:
             except (RuntimeError, ValueError) as e:
                 raise ZeroliteError(f"rank {self.rank} could not reach the others ({describe(e)}): check "
                                     "--master-addr and --master-port, and that every node runs the same torchrun") from e
+            # While the interpreter is whole: gloo's threads still hold the last gather's tensors,
+            # and freeing them during finalization aborts the process (SIGABRT), now and then.
+            atexit.register(leave_group)
 
     def together(self, step: Callable[[], T], what: str) -> list[T]:
         """Runs step here, then returns every rank's result, in rank order, on every rank; or,
@@ -149,6 +153,13 @@ def failed_line(failures: list[tuple[int, str, str]], size: int, what: str) -> s
     others = f" (and on rank{'s' if len(failures) > 2 else ''} {', '.join(str(r) for r, _, _ in failures[1:])})" \
         if len(failures) > 1 else ""
     return f"rank {rank} on {host}{others}, {what}: {error}"
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 SINGLE = World()
