@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 import zerolite
 from test_executor import BATCH, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal, greedy, layout_and_reference
@@ -16,6 +17,7 @@ from tiny_models import MOE_SHAPES
 from zerolite.errors import ZeroliteError
 from zerolite.experts import find_experts
 from zerolite.layout import Layout
+from zerolite.slots import Slots
 
 NVME = dict(offload="nvme", cpu_memory=0, device="cpu", show_progress=False)
 
@@ -67,7 +69,7 @@ def record_routing(lm) -> list[list[set[int]]]:
         return hook
 
     for index, layer in enumerate(layers):
-        layer.get_submodule(find_experts(layer).path).register_forward_pre_hook(saw(index))
+        layer.get_submodule(find_experts(layer).path).register_forward_pre_hook(saw(index), prepend=True)  # before zerolite's
     return forwards
 
 
@@ -115,6 +117,29 @@ def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch
                      for layers in forwards for block, experts in zip(blocks, layers, strict=True))
         assert lm.bytes_read == routed + counts.early_unused * stride + blocks[0].dense_length
         assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
+
+
+@pytest.mark.parametrize("arch", list(MOE_SHAPES))
+def test_one_tokens_two_experts_computed_apart_equal_one_call_bit_for_bit(arch, make_layout, monkeypatch):
+    """At batch 1 on a CPU, in bfloat16, the expert here first computes while the other still
+    reads (Executor.routing). Forced at every layer of every decode step, the logits equal those
+    of the layers streamed whole (one call of the experts module per layer) bit for bit."""
+    layout = make_layout(arch, layers=4, dtype="bf16")
+    with zerolite.load(layout, prefetch_depth=2, experts="whole", **NVME) as lm:
+        whole = greedy(lm, SINGLE, "cpu")
+    first_here = Slots.first_here
+    apart = []
+
+    def other_still_reading(self, name, experts):
+        apart.append(name)
+        return first_here(self, name, experts)[0], False
+
+    monkeypatch.setattr(Slots, "first_here", other_still_reading)
+    with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
+        split = greedy(lm, SINGLE, "cpu")
+    assert len(apart) >= NEW_TOKENS - 1  # the decode steps' layers whose token picked two experts
+    assert torch.equal(split.sequences, whole.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(split.logits, whole.logits, strict=True))
 
 
 def test_the_expert_cache_serves_experts_read_before(tiny):

@@ -22,7 +22,13 @@ order) against one over whole layers for as many steps. Its ratio is the speed-u
 scattered expert extents may read slower than whole layers in sequence (on virtual disks whose
 host reads ahead, markedly so).
 
-Printed: per batch size and mode, decode tokens/s, the read-only pass (and its ratio), the median decode step's bytes (dense and
+With --pairs N, each batch size runs whole, routed, whole, ... (N routed runs, N + 1 whole ones),
+and each routed run's speed-up is against the mean of the whole runs on either side of it: the
+disk's speed drifts between runs (whole runs of one session: 1.09 to 1.48 tokens/s), and a
+single pair puts that drift into the ratio. The median speed-up is reported, with every pair's.
+The bytes, routing and guesses are those of the first routed run; every run's tokens are compared.
+
+Printed: per batch size and mode, decode tokens/s (every run), the read-only pass (and its ratio), the median decode step's bytes (dense and
 experts), what the routing says it should read, the ratio to dense + k/E of the experts (batch 1),
 the guess rate of the next-layer prefetch, and whether the tokens equal the whole-layer run's.
 """
@@ -99,8 +105,8 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int) -> dict
             found = find_experts(layer)
             union: set[int] = set()
             routed.append(union)
-            layer.get_submodule(found.path).register_forward_pre_hook(
-                lambda module, args, union=union: union.update(args[1].flatten().tolist()))
+            layer.get_submodule(found.path).register_forward_pre_hook(  # before zerolite's, which may narrow them
+                lambda module, args, union=union: union.update(args[1].flatten().tolist()), prepend=True)
         vocab = lm.model.config.vocab_size
         ids = torch.randint(3, vocab, (batch_size, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
         meter = StepMeter(lm, routed)
@@ -182,6 +188,7 @@ def main() -> None:
     parser.add_argument("--make-model", action="store_true")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--pairs", type=int, default=1, help="Routed runs per batch size, each between two whole runs.")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--run", choices=["routed", "whole"], help=argparse.SUPPRESS)  # one run, in a fresh process
     args = parser.parse_args()
@@ -195,11 +202,21 @@ def main() -> None:
 
     results = []
     for batch_size in sizes:
-        whole = measured(args, "whole", batch_size)
-        routed = measured(args, "routed", batch_size)
+        # Routed runs between whole ones (whole, routed, whole, ...): each routed run is set against
+        # the mean of the whole runs beside it, since this disk's speed drifts from run to run.
+        wholes, routeds = [measured(args, "whole", batch_size)], []
+        for _ in range(args.pairs):
+            routeds.append(measured(args, "routed", batch_size))
+            if args.pairs > 1:
+                wholes.append(measured(args, "whole", batch_size))
+        whole, routed = wholes[0], routeds[0]
         results += [whole, routed]
-        routed["same_tokens_as_whole"] = routed["tokens"] == whole["tokens"]
-        routed["speedup"] = routed["decode_tokens_per_s"] / whole["decode_tokens_per_s"]
+        for r, runs in ((whole, wholes), (routed, routeds)):
+            r["decode_tokens_per_s_runs"] = [run["decode_tokens_per_s"] for run in runs]
+        routed["speedups"] = [run["decode_tokens_per_s"] / statistics.mean(w["decode_tokens_per_s"] for w in wholes[i:i + 2])
+                              for i, run in enumerate(routeds)]
+        routed["speedup"] = statistics.median(routed["speedups"])
+        routed["same_tokens_as_whole"] = all(run["tokens"] == whole["tokens"] for run in routeds + wholes)
         share = routed["experts_per_layer"] and 2 / routed["experts_per_layer"]  # top-2 of E
         routed["top_k_bound_bytes"] = routed["dense_bytes"] + share * routed["expert_bytes"]
         routed["bytes_over_top_k_bound"] = statistics.median(routed["bytes_per_step"]) / routed["top_k_bound_bytes"]
@@ -221,8 +238,9 @@ def main() -> None:
         routed = r["experts"] == "routed"
         median_bytes = statistics.median(r["bytes_per_step"])
         table.add_row(
-            str(r["batch_size"]), r["experts"], f"{r['decode_tokens_per_s']:.2f}",
-            f"{r['speedup']:.2f}x" if routed else "1.00x",
+            str(r["batch_size"]), r["experts"], " ".join(f"{rate:.2f}" for rate in r["decode_tokens_per_s_runs"]),
+            (f"{r['speedup']:.2f}x" + (f" ({' '.join(f'{x:.2f}' for x in r['speedups'])})" if len(r["speedups"]) > 1 else ""))
+            if routed else "1.00x",
             f"{r['read_only_s']:.2f} s" + (f" ({r['read_only_speedup']:.2f}x)" if routed else ""),
             f"{median_bytes / 1e9:.3f}",
             f"{statistics.median(r['expert_bytes_per_step']) / 1e9:.3f}" if routed else "-",

@@ -93,6 +93,7 @@ class Executor:
         layers = manifest.layer_names
         self._next_layer = {a: b for a, b in zip(layers, layers[1:]) if a in self.per_expert and b in self.per_expert}
         self._routed: set[str] = set()  # layers streamed per expert whose experts were called with their routing
+        self._later: dict[str, tuple] = {}  # layer -> the experts module's arguments for the share routing() left
         self.schedule = Schedule(list(plan.streamed))
         # (fetches, appends) for every K/V cache it offloads
         self.kv_streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None
@@ -109,7 +110,8 @@ class Executor:
             self._hooks.append(module.register_forward_hook(self._leave(name)))
         for name in self.per_expert:
             experts = self.model.get_submodule(module_path(manifest.layers_path, name) + "." + manifest.block(name).experts.module)
-            self._hooks.append(experts.register_forward_pre_hook(self._route(name)))
+            before, after = self._route(name)
+            self._hooks += [experts.register_forward_pre_hook(before), experts.register_forward_hook(after)]
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._start_step()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end_step()))
 
@@ -146,14 +148,18 @@ class Executor:
             self._bindings[name].unbind()
             self.slots.release(name)
 
-    def routing(self, name: str, hidden: torch.Tensor, chosen: torch.Tensor) -> None:
-        """A mixture's layer streamed per expert, its router having picked (chosen: [tokens, k]):
+    def routing(self, name: str, hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor | None = None,
+                experts: nn.Module | None = None):
+        """A mixture's layer streamed per expert, its router having picked (chosen: [tokens, k],
+        with their weights):
 
         1. the experts to bring: the union over every position (padding included: its outputs
            must be finite too, or attention's zero weights on them would still make NaN)
         2. ask for them: those not here already (guessed, cached) start reading now
         3. guess the next layer's from these hidden states; read early those of reliable ranks
-        4. wait for this layer's
+        4. wait for this layer's; but where one token picked two experts and only one of them is
+           here (on a CPU), return the experts module's arguments narrowed to that one: it
+           computes while the other lands, and routed_later() adds the other's share
         """
         routed = sorted(set(chosen.flatten().tolist()))
         self.guess.score(name, routed)
@@ -161,14 +167,39 @@ class Executor:
         upcoming = self._next_layer.get(name)
         if upcoming is not None and self.guess.can_guess(upcoming) and self.slots.holds(upcoming):
             self.slots.want_experts(upcoming, self.guess.next(upcoming, hidden, chosen.shape[-1]))
-        self.slots.wait_experts(name, routed)
         self._routed.add(name)
+        if not (chosen.shape == (1, 2) and len(routed) == 2 and weights is not None and not self.device.separate_memory
+                and splits_exactly(experts, hidden)):
+            self.slots.wait_experts(name, routed)
+            return None
+        here, both = self.slots.first_here(name, routed)
+        if both:
+            return None
+        first = chosen[0].tolist().index(here)
+        self._later[name] = (hidden, chosen, weights, first)
+        return hidden, chosen[:, first:first + 1], torch.ones_like(weights[:, :1])
+
+    def routed_later(self, name: str, experts: nn.Module, output: torch.Tensor) -> torch.Tensor | None:
+        """The layer's output once the expert routing() left for later is here: each expert's output
+        (asked for with weight 1, so exactly its own), weighted and summed over k as grouped_mm
+        sums them (in the weights' precision, rounded once), so the result is the one call's."""
+        later = self._later.pop(name, None)
+        if later is None:
+            return None
+        hidden, chosen, weights, first = later
+        self.slots.wait_experts(name, [chosen[0, 1 - first].item()])
+        second = experts.forward(hidden, chosen[:, 1 - first:2 - first], torch.ones_like(weights[:, :1]))  # no hooks again
+        own = (output, second) if first == 0 else (second, output)
+        return torch.stack([own[k] * weights[:, k:k + 1] for k in range(2)], dim=1).sum(dim=1).to(hidden.dtype)
 
     def _route(self, name: str):
-        def before(module: nn.Module, args) -> None:
-            self.routing(name, args[0], args[1])
+        def before(module: nn.Module, args):
+            return self.routing(name, args[0], args[1], args[2] if len(args) == 3 else None, module)
 
-        return before
+        def after(module: nn.Module, args, output):
+            return self.routed_later(name, module, output)
+
+        return before, after
 
     def _enter(self, name: str):
         def before(module: nn.Module, args) -> None:
@@ -207,6 +238,7 @@ class Executor:
         for name in list(self._running):
             self._running.pop(name).__exit__(None, None, None)
         self._routed.clear()
+        self._later.clear()
         if self._step is not None:
             self._end_step()
 
@@ -217,6 +249,16 @@ class Executor:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def splits_exactly(experts: nn.Module | None, hidden: torch.Tensor) -> bool:
+    """Whether a token's two experts computed apart give the one call's result bit for bit: with
+    transformers' grouped_mm (the default, on CPUs too), whose sum over k routed_later() repeats,
+    on bfloat16, where it runs torch's own grouped matmul. (Other dtypes go through its per-expert
+    fallback, whose float32 matmul rounds a row differently by where it lands in the output: 1e-5
+    on tiny gpt_oss logits. eager rounds each share to the hidden states' precision first.)"""
+    config = getattr(experts, "config", None)
+    return getattr(config, "_experts_implementation", None) == "grouped_mm" and hidden.dtype == torch.bfloat16
 
 
 def host_memory(disk: DiskStore, plan: Plan, device: Device, world: World, progress) -> MemoryStore:

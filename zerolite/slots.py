@@ -156,6 +156,19 @@ class Slots:
                 with self.timeline.span("wait", f"{name} expert {expert}", stream=compute):
                     self.device.wait_event(compute, fetch.copied)
 
+    def first_here(self, name: str, experts: list[int]) -> tuple[int, bool]:
+        """Where host memory is the device's: waits for the soonest of these experts (one here
+        already, else the one whose read started first) and returns it, with whether the others
+        are all here too (their reads polled, never waited for)."""
+        slot = self._by_block[name]
+        fetches = {expert: slot.experts[expert] for expert in experts}
+        soonest = min(experts, key=lambda e: (fetches[e].ticket is not None, fetches[e].submitted))
+        self.wait_experts(name, [soonest])
+        for expert in experts:
+            if expert != soonest and fetches[expert].ticket is not None:
+                self._land_expert(slot, expert, block=False)
+        return soonest, all(fetches[e].ticket is None for e in experts)
+
     def holds(self, name: str) -> bool:
         """Whether the block is in a slot (here, or on its way)."""
         return name in self._by_block
