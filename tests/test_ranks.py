@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from cli_runner import run
+from zerolite.errors import ZeroliteError
+from zerolite.world import World, failed_line
 
 LAYERS = 4
 PROMPTS = 10
@@ -88,6 +90,26 @@ def assert_one_error(result: subprocess.CompletedProcess, *fragments: str) -> No
     assert f"{os.sep}zerolite{os.sep}" not in result.stderr.replace(WORKER, ""), "a zerolite traceback"
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def test_the_world_comes_from_torchruns_environment(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert World.from_env() == World() and not World().distributed
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(ZeroliteError, match="LOCAL_RANK is None: start zerolite with torchrun"):
+        World.from_env()
+    for key, value in (("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("GROUP_RANK", "1")):
+        monkeypatch.setenv(key, value)
+    assert World.from_env() == World(rank=3, size=4, local_rank=1, local_size=2, node=1)
+
+
+def test_a_failure_is_said_once_naming_the_rank():
+    assert failed_line([(0, "bad", "node 0 (a)"), (1, "bad", "node 1 (b)")], 2, "loading") == "bad"
+    assert failed_line([(1, "gone", "node 1 (b)")], 2, "loading") == "rank 1 on node 1 (b), loading: gone"
+    assert failed_line([(1, "x", "node 0 (a)"), (2, "y", "node 1 (b)")], 3, "loading") == \
+        "rank 1 on node 0 (a) (and on rank 2), loading: x"
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])

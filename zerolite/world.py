@@ -71,14 +71,13 @@ class World:
             return cls()
         number = {}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-            text = os.environ.get(key, "0" if key in ("LOCAL_RANK", "GROUP_RANK") else None)
+            text = os.environ.get(key)
             try:
                 number[key] = int(text)
             except (TypeError, ValueError):
                 raise ZeroliteError(f"the environment says WORLD_SIZE but {key} is {text!r}: start zerolite with "
                                     "torchrun, which sets them all") from None
-        world = cls(number["RANK"], number["WORLD_SIZE"], number["LOCAL_RANK"],
-                    number.get("LOCAL_WORLD_SIZE") or number["WORLD_SIZE"], number["GROUP_RANK"])
+        world = cls(number["RANK"], number["WORLD_SIZE"], number["LOCAL_RANK"], number["LOCAL_WORLD_SIZE"], number["GROUP_RANK"])
         if not 0 <= world.rank < world.size or not 0 <= world.local_rank < world.local_size:
             raise ZeroliteError(f"the environment's ranks do not add up (RANK {world.rank} of {world.size}, LOCAL_RANK "
                                 f"{world.local_rank} of {world.local_size}): start zerolite with torchrun")
