@@ -283,20 +283,18 @@ def profile(
         every = world.together(lambda: report.to_dict(), "profiling")
     if not world.leads:
         return
-    if world.distributed:
-        totals = rank_totals(every)
-        if as_json:
-            typer.echo(json.dumps({"ranks": every, "total": totals}, indent=2))
-        else:
-            show_rank_reports(every, totals)
     if trace is not None:
         write_trace(timeline, trace)
     if plot is not None:
         plot_timeline(timeline, plot, report.verdict,
                       f"{offload} offload, depth {prefetch_depth}, batch {batch_size}, {report.decode_step_s * 1e3:.0f} ms per decode step")
     if world.distributed:
-        return
-    if as_json:
+        totals = rank_totals(every)
+        if as_json:
+            typer.echo(json.dumps({"ranks": every, "total": totals}, indent=2))
+        else:
+            show_rank_reports(every, totals)
+    elif as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         show_report(report)

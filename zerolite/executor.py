@@ -266,8 +266,7 @@ def host_memory(disk: DiskStore, plan: Plan, device: Device, world: World, progr
     run on one node, one copy for all of them, which on a CPU also holds the resident blocks
     (host memory is the device's there)."""
     if world.local_size > 1:
-        names = list(plan.in_memory) + ([] if device.separate_memory else list(plan.resident))
-        return NodeCopy.load(disk, names, device, world, progress)
+        return NodeCopy.load(disk, list(plan.in_host(device.separate_memory)), device, world, progress)
     return MemoryStore.load(disk, list(plan.in_memory), device.pinned_empty, progress)
 
 

@@ -60,6 +60,12 @@ class Plan:
         """The streamed blocks whose home is host memory."""
         return tuple(name for name in self.streamed if name not in self.on_disk)
 
+    def in_host(self, separate_memory: bool) -> tuple[str, ...]:
+        """The blocks whose bytes host memory holds while the model runs: the layers kept there
+        and, where host memory is the device's, the resident blocks too. A node's ranks share one
+        copy of them (zerolite.node_copy)."""
+        return self.in_memory + (() if separate_memory else self.resident)
+
     @property
     def loaded(self) -> tuple[str, ...]:
         """Blocks read while loading: the resident ones and those held in host memory."""

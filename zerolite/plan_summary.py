@@ -49,7 +49,7 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
 
     world = lm.world
     if world.distributed:
-        held = [name for name in plan.loaded if name in plan.in_memory or not lm.device.separate_memory]
+        held = plan.in_host(lm.device.separate_memory)
         lines.append(f"ranks: {world.size}, {world.local_size} on this node"
                      + (", each on a GPU of its own" if lm.device.separate_memory else "")
                      + (f"; the node's ranks share one copy of what host memory holds ({size(held)})"
