@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import pytest
 
-from zerolite import cli
+from zerolite.cli import app as cli
 
 Result = namedtuple("Result", "code stdout stderr")
 

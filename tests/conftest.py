@@ -29,7 +29,7 @@ def make_layout(tiny_layouts):
 
 
 from simulated_device import SimulatedDevice  # noqa: E402
-from zerolite.device import cuda_available  # noqa: E402
+from zerolite.io.device import cuda_available  # noqa: E402
 
 GPUS = ["sim", "cuda"]
 

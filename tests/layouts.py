@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import save_tiny_model
-from zerolite.convert import convert
+from zerolite.convert.writer import convert
 
 
 class TinyLayouts:

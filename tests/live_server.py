@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from zerolite.server import ServeSettings, bind, build_server
+from zerolite.serve.server import ServeSettings, bind, build_server
 
 START_TIMEOUT_S = 30
 

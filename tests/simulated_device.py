@@ -37,8 +37,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from zerolite.device import Device
-from zerolite.io import IoEngine, aligned_empty
+from zerolite.io.device import Device
+from zerolite.io.engine import IoEngine, aligned_empty
 
 
 class OrderingError(AssertionError):

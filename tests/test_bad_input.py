@@ -12,8 +12,8 @@ from transformers import T5Config
 
 from cli_runner import assert_one_line_error, run
 from tiny_models import tiny_config
-from zerolite.convert import JOURNAL
-from zerolite.device import cuda_available
+from zerolite.convert.writer import JOURNAL
+from zerolite.io.device import cuda_available
 
 # Small files the cases write under {tmp} before running.
 WEIGHTS = safetensors_bytes({"x": torch.zeros(1)})

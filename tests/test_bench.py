@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from zerolite.errors import ZeroliteError
-from zerolite.layout import Layout
-from zerolite.read_pass import read_pass
+from zerolite.layout.folder import Layout
+from zerolite.layout.read_pass import read_pass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 

@@ -10,15 +10,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-import zerolite.convert as convert_module
+import zerolite.convert.writer as convert_module
 from cli_runner import assert_one_line_error, run
 from tiny_models import build_tiny_model, save_tiny_model
-from zerolite.convert import JOURNAL, convert
+from zerolite.convert.writer import JOURNAL, convert
 from zerolite.errors import ZeroliteError
-from zerolite.io import ALIGNMENT, IoEngine
-from zerolite.layout import Layout
-from zerolite.manifest import MANIFEST, Manifest
-from zerolite.store import DiskStore
+from zerolite.io.engine import ALIGNMENT, IoEngine
+from zerolite.layout.folder import Layout
+from zerolite.layout.manifest import MANIFEST, Manifest
+from zerolite.layout.store import DiskStore
 
 ARCHS = ["llama", "bloom", "opt", "gpt2"]
 

@@ -144,7 +144,7 @@ def test_a_file_system_filling_up_during_convert(capsys, monkeypatch, tmp_path, 
 def test_a_layout_altered_after_convert_is_caught_before_its_bytes_are_used(capsys, monkeypatch, tmp_path, make_layout,
                                                                            prompts, block):
     """Resident blocks are checked as they load, streamed ones the first time they are read."""
-    from zerolite.layout import Layout
+    from zerolite.layout.folder import Layout
 
     altered = make_layout(layers=LAYERS, fresh=True)
     offset = Layout.open(altered).manifest.block(block).offset + 100

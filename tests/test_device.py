@@ -13,17 +13,17 @@ import torch
 from transformers import AutoModelForCausalLM, StaticCache
 
 import zerolite
-import zerolite.kv_cache
-import zerolite.resident
+import zerolite.runtime.kv_cache
+import zerolite.runtime.resident
 from simulated_device import OrderingError, SimulatedDevice
-from zerolite.batching import MARGIN, largest_batch
-from zerolite.device import CudaDevice
+from zerolite.runtime.batching import MARGIN, largest_batch
+from zerolite.io.device import CudaDevice
 from zerolite.errors import ZeroliteError
-from zerolite.kv_cache import HostLayer, PartialOffloadCache, kv_bytes_per_token
-from zerolite.layout import Layout
-from zerolite.machine import measure_host_to_device
-from zerolite.profile import profile_run
-from zerolite.timeline import Timeline
+from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, kv_bytes_per_token
+from zerolite.layout.folder import Layout
+from zerolite.profile.machine import measure_host_to_device
+from zerolite.profile.run import profile_run
+from zerolite.runtime.timeline import Timeline
 
 LAYERS = 6
 PROMPTS = [[5, 17, 33, 9, 44, 61, 70], [0, 0, 0, 0, 0, 12, 90]]
@@ -168,7 +168,7 @@ def test_the_profiler_sees_compute_waiting_for_copies_on_the_device(tiny):
 
 def test_resident_blocks_pass_through_small_pinned_staging(tiny, monkeypatch):
     layout, expected = tiny
-    monkeypatch.setattr(zerolite.resident, "STAGING_BYTES", 8192)  # every block in several pieces
+    monkeypatch.setattr(zerolite.runtime.resident, "STAGING_BYTES", 8192)  # every block in several pieces
     sim = SimulatedDevice(seed=3)
     with sim.watching():
         with zerolite.load(layout, device=sim, offload="none", show_progress=False) as lm:
@@ -178,7 +178,7 @@ def test_resident_blocks_pass_through_small_pinned_staging(tiny, monkeypatch):
 
 def test_kv_offload_neither_synchronises_the_device_nor_leaves_a_fetch_behind(tiny, monkeypatch):
     layout, expected = tiny
-    monkeypatch.setattr(zerolite.kv_cache, "MIN_TOKENS", 1)  # the host buffers grow at every other step
+    monkeypatch.setattr(zerolite.runtime.kv_cache, "MIN_TOKENS", 1)  # the host buffers grow at every other step
     sim = SimulatedDevice(seed=5)
     synchronised = []
     with sim.watching():

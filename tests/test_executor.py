@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import zerolite
 from zerolite.errors import ZeroliteError
-from zerolite.layout import Layout
+from zerolite.layout.folder import Layout
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 LAYERS = 6  # more than the deepest ring tested, so slots are refilled and reads wrap around

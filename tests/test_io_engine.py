@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerolite.io import ALIGNMENT, HUGE_PAGE, IoEngine, ShortReadError, aligned_empty, host_bytes
+from zerolite.io.engine import ALIGNMENT, HUGE_PAGE, IoEngine, ShortReadError, aligned_empty, host_bytes
 
 BACKENDS = ["io_uring", "pread"]
 

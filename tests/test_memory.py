@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from zerolite.layout import Layout
+from zerolite.layout.folder import Layout
 
 DEPTH = 2
 NEW_TOKENS = 4

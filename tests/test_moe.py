@@ -15,9 +15,9 @@ import zerolite
 from test_executor import BATCH, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal, greedy, layout_and_reference
 from tiny_models import MOE_SHAPES
 from zerolite.errors import ZeroliteError
-from zerolite.experts import find_experts
-from zerolite.layout import Layout
-from zerolite.slots import Slots
+from zerolite.moe.experts import find_experts
+from zerolite.layout.folder import Layout
+from zerolite.runtime.slots import Slots
 
 NVME = dict(offload="nvme", cpu_memory=0, device="cpu", show_progress=False)
 
@@ -104,7 +104,7 @@ def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch
     (trusted from the first guess here): the tokens stay exact, and the bytes read are the dense
     parts, the routed experts and the guessed ones the router did not pick (and, at the end, the
     ring's read ahead of the next forward's first dense part)."""
-    monkeypatch.setattr("zerolite.expert_guess.RELIABLE", 0.0)
+    monkeypatch.setattr("zerolite.moe.guess.RELIABLE", 0.0)
     layout, reference = tiny
     blocks = [b for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.")]
     stride = blocks[0].experts.stride

@@ -11,7 +11,7 @@ import torch
 
 import zerolite
 from cli_runner import assert_one_line_error, run
-from zerolite import preflight
+from zerolite.runtime import preflight
 
 
 def test_a_file_system_without_o_direct_gets_one_warning_and_still_runs(capfd, monkeypatch, make_layout):

@@ -9,9 +9,9 @@ import pytest
 
 import zerolite
 from cli_runner import run
-from zerolite.machine import measure_disk
-from zerolite.profile import profile_run
-from zerolite.timeline import Timeline
+from zerolite.profile.machine import measure_disk
+from zerolite.profile.run import profile_run
+from zerolite.runtime.timeline import Timeline
 
 
 @pytest.fixture(scope="module")

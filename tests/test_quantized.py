@@ -15,15 +15,15 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 import zerolite
-import zerolite.quantized_linear
-from zerolite.convert import convert
+import zerolite.quant.linear
+from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
-from zerolite.int4_packing import cpu_packing, pack_int4, unpack_int4
-from zerolite.io import IoEngine
-from zerolite.layout import Layout
-from zerolite.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme, quantize_int4
-from zerolite.quantized_linear import Int4Linear, QuantizedLinear, dequantize_int4
-from zerolite.store import DiskStore
+from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
+from zerolite.io.engine import IoEngine
+from zerolite.layout.folder import Layout
+from zerolite.quant.quantize import SCALE_ZERO_SUFFIX, WeightScheme, quantize_int4
+from zerolite.quant.linear import Int4Linear, QuantizedLinear, dequantize_int4
+from zerolite.layout.store import DiskStore
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 SCHEMES = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=32)}
@@ -92,7 +92,7 @@ def test_quantized_layout_matches_its_dequantised_weights_on_cpu(quantized, setu
     layout, expected = quantized
     paths = [1 << 30, 1] if Layout.open(layout).manifest.quantization["weights"] == "int8" else [1]
     for dequantize_rows in paths:
-        monkeypatch.setattr(zerolite.quantized_linear, "DEQUANTIZE_ROWS", dequantize_rows)
+        monkeypatch.setattr(zerolite.quant.linear, "DEQUANTIZE_ROWS", dequantize_rows)
         with zerolite.load(layout, device="cpu", show_progress=False, **setup) as lm:
             assert any(isinstance(m, QuantizedLinear) for m in lm.model.modules())
             assert_close_to_reference(expected, greedy(lm))
@@ -224,7 +224,7 @@ def test_int4_packing_is_what_the_kernel_packs_and_unpacks_back(shape):
 @pytest.mark.parametrize("capability", ["default", "avx2"])
 def test_int4_packing_is_known_for_the_other_kinds_of_cpu(capability):
     """torch packs by the vector width it runs with; ATEN_CPU_CAPABILITY makes it run narrower here."""
-    check = ("import torch; from zerolite.int4_packing import cpu_packing, pack_int4\n"
+    check = ("import torch; from zerolite.quant.int4_packing import cpu_packing, pack_int4\n"
              "q = torch.randint(0, 16, (208, 64), dtype=torch.int32)\n"
              "assert torch.equal(pack_int4(q.to(torch.uint8), cpu_packing()),"
              " torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))\n"

@@ -18,7 +18,7 @@ import pytest
 
 from cli_runner import run
 from zerolite.errors import ZeroliteError
-from zerolite.world import World, failed_line
+from zerolite.dist.world import World, failed_line
 
 LAYERS = 4
 PROMPTS = 10

@@ -9,8 +9,8 @@ import torch
 
 import zerolite
 from zerolite.errors import ZeroliteError
-from zerolite.running_batch import Row, RunningBatch
-from zerolite.text_stream import TextStream
+from zerolite.serve.running_batch import Row, RunningBatch
+from zerolite.serve.text_stream import TextStream
 from tiny_models import save_ascii_tokenizer
 
 NEW_TOKENS = 10
@@ -78,7 +78,7 @@ def test_a_sliding_window_bounds_the_columns(make_layout):
 
 
 def test_a_cache_of_other_state_is_refused(monkeypatch, make_layout):
-    import zerolite.running_batch as running_batch
+    import zerolite.serve.running_batch as running_batch
 
     class Recurrent:  # a state per sequence, as linear attention and SSM layers keep: no columns to rebatch
         pass
@@ -114,7 +114,7 @@ def test_text_without_stop_strings_flows_token_by_token(ascii_tokenizer):
 
 
 def test_the_step_budget_settles_where_the_compute_meets_the_reads():
-    from zerolite.step_budget import CEILING, StepBudget
+    from zerolite.serve.step_budget import CEILING, StepBudget
 
     def step_s(tokens: int, read_s: float, per_token_s: float) -> float:
         return max(read_s, tokens * per_token_s)

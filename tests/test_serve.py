@@ -27,8 +27,8 @@ import zerolite
 from cli_runner import assert_one_line_error, run
 from live_server import LiveServer
 from tiny_models import CHAT_TEMPLATE, save_ascii_tokenizer
-from zerolite.convert import convert
-from zerolite.server import ServeSettings
+from zerolite.convert.writer import convert
+from zerolite.serve.server import ServeSettings
 
 TOOLS = Path(__file__).parent.parent / "tools"
 TIMEOUT = httpx.Timeout(60.0)

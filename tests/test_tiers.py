@@ -11,13 +11,13 @@ import torch
 
 import zerolite
 from cli_runner import run
-from zerolite.budget import Budgets
-from zerolite.device import CpuDevice
+from zerolite.runtime.budget import Budgets
+from zerolite.io.device import CpuDevice
 from zerolite.errors import ZeroliteError
-from zerolite.layout import Layout
-from zerolite.kv_cache import spread
-from zerolite.plan import Plan
-from zerolite.policy import Policy, parse_size
+from zerolite.layout.folder import Layout
+from zerolite.runtime.kv_cache import spread
+from zerolite.runtime.plan import Plan
+from zerolite.runtime.policy import Policy, parse_size
 
 LAYERS = 8
 
@@ -114,7 +114,7 @@ def test_the_plan_is_printed_before_the_run(capsys, monkeypatch, tmp_path, layou
 
 
 def test_batch_size_auto_fills_the_memory_left(layout, monkeypatch):
-    from zerolite.batching import largest_batch
+    from zerolite.runtime.batching import largest_batch
 
     with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", show_progress=False) as lm:
         memory = namedtuple("memory", "available total")
@@ -131,7 +131,7 @@ def test_batch_size_auto_fills_the_memory_left(layout, monkeypatch):
 
 
 def test_kv_offload_keeps_the_chosen_layers_in_growing_host_buffers(layout):
-    from zerolite.kv_cache import MIN_TOKENS, HostLayer, PartialOffloadCache
+    from zerolite.runtime.kv_cache import MIN_TOKENS, HostLayer, PartialOffloadCache
 
     with zerolite.load(layout, offload="none", device="cpu", show_progress=False) as lm:
         cache = PartialOffloadCache(lm.config, 0.5, lm.device)
@@ -148,7 +148,7 @@ def test_kv_offload_keeps_the_chosen_layers_in_growing_host_buffers(layout):
 
 
 def test_read_ahead_skips_blocks_that_need_no_transfer():
-    from zerolite.schedule import Schedule
+    from zerolite.runtime.schedule import Schedule
 
     schedule = Schedule(["layers.0", "layers.1", "layers.2", "layers.3"])
     on_disk = frozenset({"layers.2", "layers.3"})
@@ -158,7 +158,7 @@ def test_read_ahead_skips_blocks_that_need_no_transfer():
 
 
 def test_kv_offload_survives_beam_search_reordering(layout):
-    from zerolite.kv_cache import PartialOffloadCache
+    from zerolite.runtime.kv_cache import PartialOffloadCache
 
     ids = torch.tensor([[5, 17, 33, 9], [7, 3, 11, 2]])
     with zerolite.load(layout, offload="none", device="cpu", show_progress=False) as lm:
@@ -171,7 +171,7 @@ def test_kv_offload_survives_beam_search_reordering(layout):
 def test_sliding_window_layers_keep_their_cache_on_the_device():
     from transformers import MistralConfig
 
-    from zerolite.kv_cache import offloaded_share
+    from zerolite.runtime.kv_cache import offloaded_share
 
     config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, sliding_window=4096)

@@ -59,12 +59,12 @@ from bench_cgroup import MemoryCgroup, parse_limit
 from bench_gguf import gguf_folder, make_gguf
 from bench_io import fio_gbps
 from zerolite.errors import ZeroliteError
-from zerolite.io import ALIGNMENT
-from zerolite.layout import Layout
-from zerolite.machine import DISK_READ_BYTES, drop_page_cache
+from zerolite.io.engine import ALIGNMENT
+from zerolite.layout.folder import Layout
+from zerolite.profile.machine import DISK_READ_BYTES, drop_page_cache
 from zerolite.openmp import environment_as_the_user_had_it
-from zerolite.policy import Policy
-from zerolite.read_pass import read_pass
+from zerolite.runtime.policy import Policy
+from zerolite.layout.read_pass import read_pass
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONTENDERS = ["zerolite-nvme", "zerolite-nvme-half", "zerolite-cpu", "transformers-ram",
@@ -92,7 +92,7 @@ def make_model(source: Path, layout: Path, quantized_layouts: dict[str, Path]) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from zerolite.convert import convert
+    from zerolite.convert.writer import convert
 
     if not (source / "config.json").is_file():
         torch.manual_seed(0)

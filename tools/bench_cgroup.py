@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerolite.errors import ZeroliteError
-from zerolite.policy import parse_size
+from zerolite.runtime.policy import parse_size
 
 SYSFS = Path("/sys/fs/cgroup")
 PREFIX = "zerolite-bench-"

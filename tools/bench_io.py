@@ -4,7 +4,7 @@
 
 For each chunk size and queue depth: drop the page cache, run fio (--direct=1, io_uring, the same
 chunk size as --bs, and depth), then drop it again before each engine backend reads the whole file as
-zerolite profile --disk does (zerolite.machine.read_bandwidth: 64 MiB requests, four in flight). Prints each
+zerolite profile --disk does (zerolite.profile.machine.read_bandwidth: 64 MiB requests, four in flight). Prints each
 bandwidth as "median (best)" of --repeat runs, and its ratio to fio's. Run as root so the caches can be dropped.
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from zerolite.io import IoEngine
-from zerolite.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth, write_scratch
+from zerolite.io.engine import IoEngine
+from zerolite.profile.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth, write_scratch
 
 
 def make_file(path: str, nbytes: int) -> None:

@@ -49,9 +49,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers.generation.streamers import BaseStreamer
 
-from zerolite.experts import find_experts
-from zerolite.layout import Layout
-from zerolite.machine import drop_page_cache
+from zerolite.moe.experts import find_experts
+from zerolite.layout.folder import Layout
+from zerolite.profile.machine import drop_page_cache
 
 MODEL_CONFIG = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=10, num_attention_heads=8,
                     num_key_value_heads=2, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
@@ -62,7 +62,7 @@ PROMPT_TOKENS = 16
 def make_model(source: Path, layout: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from zerolite.convert import convert
+    from zerolite.convert.writer import convert
 
     if not (source / "config.json").is_file():
         torch.manual_seed(0)
@@ -143,7 +143,7 @@ def read_only_pass(layout: Layout, steps: list[list[list[int]]] | None, count: i
     """Seconds our engine takes to read, cold and with no compute, what count decode steps read:
     every layer whole, or (steps given) each layer's dense part and the experts its router picked,
     in the order a step reads them. The bound each mode's steps are held to on this disk."""
-    from zerolite.io import IoEngine, aligned_empty
+    from zerolite.io.engine import IoEngine, aligned_empty
 
     manifest = layout.manifest
     blocks = [manifest.block(name) for name in manifest.layer_names]

@@ -38,9 +38,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from zerolite.api import ensure_layout, load_draft
-from zerolite.generate import encode
-from zerolite.prompts import Prompt
+from zerolite.convert.resolve import ensure_layout
+from zerolite.lm import load_draft
+from zerolite.generate.run import encode
+from zerolite.generate.prompts import Prompt
 
 NEAR_TIE = 1e-4
 QUESTIONS = [
@@ -91,7 +92,7 @@ def parse_draft(text: str) -> tuple[str, str, int | None]:
 
 def write_prompts(layout: Path, count: int, path: Path) -> tuple[Path, bool]:
     """Chat questions where the model has a chat template, else random token ids."""
-    from zerolite.api import load_tokenizer
+    from zerolite.hf import load_tokenizer
 
     tokenizer = load_tokenizer(layout)
     chat = tokenizer is not None and bool(tokenizer.chat_template)

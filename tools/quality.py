@@ -40,13 +40,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import zerolite
 from perplexity import Score, context_window, corpus_ids, perplexity
-from zerolite.api import load_tokenizer
-from zerolite.checkpoint import quiet_transformers
-from zerolite.convert import convert
+from zerolite.hf import load_tokenizer, quiet_transformers
+from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
-from zerolite.gguf_source import builtin_gguf, cache_dir
-from zerolite.layout import Layout
-from zerolite.manifest import DTYPES
+from zerolite.convert.paths import builtin_gguf, cache_dir
+from zerolite.layout.folder import Layout
+from zerolite.layout.manifest import DTYPES
 from zerolite.progress import token_progress
 
 DEFAULT_WEIGHTS = "int8,int4-g32,int4-g64,int4-g128"

@@ -1,5 +1,5 @@
-"""python -m zerolite: the command line (zerolite.cli)."""
+"""python -m zerolite: the command line (zerolite.cli.app)."""
 
-from zerolite.cli import main
+from zerolite.cli.app import main
 
 main()

@@ -1,0 +1,163 @@
+"""The package's shape: rooms by concern, imports that run one way, and the rules that keep the
+GPU and the executor behind their one door each.
+
+The import graph is read from the source with ast (imports inside functions included), so a lazy
+import that closes a cycle counts as much as one at the top of a file.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "zerolite"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+# Lowest first: a module may import from its own room and from rooms below it, never above.
+LAYERS = [
+    ("errors", "openmp", "progress", "hf", "text", "sampling", "_engine"),
+    ("io",),
+    ("layout",),
+    ("quant",),
+    ("moe",),
+    ("convert",),
+    ("dist",),
+    ("runtime",),
+    ("spec",),
+    ("lm",),
+    ("generate",),
+    ("serve",),
+    ("profile",),
+    ("cli",),
+    ("__init__", "__main__"),
+]
+RANK = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
+DEVICE_MODULE = "zerolite.io.device"
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    return {module_name(path, package): path for path in sorted(package.rglob("*.py"))}
+
+
+def imported(path: Path, name: str, known: set[str]) -> set[str]:
+    """The zerolite modules path imports, anywhere in it: `from zerolite.a import b` is zerolite.a.b
+    where that is a module, else zerolite.a; relative imports are resolved against name."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("zerolite")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("zerolite"):
+                continue
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    known = modules(package)
+    names = set(known) | {"zerolite._engine"}  # the C++ engine, built by CMake
+    return {name: imported(path, name, names) for name, path in known.items()} | {"zerolite._engine": set()}
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the modules along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for other in sorted(graph[node]):
+            if state.get(other) == 1:
+                return path[path.index(other):] + [other]
+            if other not in state and (found := visit(other)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{a} imports {b}" for a, targets in graph.items() for b in sorted(targets)
+            if RANK[room(b)] > RANK[room(a)]]
+
+
+def test_every_room_has_a_layer():
+    rooms = {room(m) for m in modules()}
+    assert rooms <= set(RANK), f"rooms with no place in LAYERS: {sorted(rooms - set(RANK))}"
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycle(import_graph()) is None, " -> ".join(cycle(import_graph()))
+
+
+def test_imports_run_down_the_layers_only():
+    assert upward(import_graph()) == []
+
+
+def test_a_cycle_is_found(tmp_path):
+    """The check itself: a lazy import that closes a loop between two rooms is caught."""
+    package = tmp_path / "zerolite"
+    (package / "io").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "io" / "__init__.py").write_text("")
+    (package / "io" / "engine.py").write_text("def f():\n    from zerolite.lm import load\n")
+    (package / "lm.py").write_text("from zerolite.io.engine import f\n")
+    graph = import_graph(package)
+    assert cycle(graph) == ["zerolite.io.engine", "zerolite.lm", "zerolite.io.engine"]
+    assert upward(graph) == ["zerolite.io.engine imports zerolite.lm"]
+
+
+def test_the_package_has_rooms_and_few_modules_at_the_top():
+    top = [p.stem for p in PACKAGE.glob("*.py")]
+    rooms = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()]
+    assert len(top) <= 14, sorted(top)
+    assert len(rooms) >= 8, sorted(rooms)
+
+
+def test_torch_cuda_only_in_the_device_module():
+    """Every CUDA call goes through zerolite.io.device, so the simulated device sees them all."""
+    users = [name for name, path in modules().items()
+             if name != DEVICE_MODULE and re.search(r"\btorch\.cuda\b|from torch import cuda", path.read_text())]
+    assert users == []
+
+
+def test_only_lm_reaches_the_executor():
+    """OffloadedLM is the executor's one door: everything else asks it (lm.recover(), lm.new_cache())."""
+    users = [name for name, path in modules().items()
+             if name not in ("zerolite.lm", "zerolite.runtime.executor", "zerolite.runtime.loader")
+             and re.search(r"\.executor\b", path.read_text())]
+    assert users == []
+
+
+def readme_rooms() -> list[str]:
+    """The subpackages the README's layout section names: one `zerolite/NAME/` line each."""
+    section = README.read_text().split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\s*zerolite/(\w+)/", section, flags=re.M)
+
+
+def test_the_readme_layout_is_the_tree():
+    rooms = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert sorted(readme_rooms()) == rooms

@@ -1,0 +1,1 @@
+"""Checkpoints (safetensors, pickles, GGUF) turned into layouts, once."""

@@ -1,0 +1,1 @@
+"""torchrun: the ranks of a job, and one host copy of the weights per node."""

@@ -1,0 +1,1 @@
+"""Batch generation: prompts in, completions out, durably and resumably."""

@@ -1,0 +1,361 @@
+"""The generate job: prompts in batches through a loaded model, completions and timings out.
+
+    stats = generate_all(lm, prompts, Sampling(max_new_tokens=64), batch_size=8, on_batch=write)
+
+Prompts are batched in input order and left-padded with an attention mask, as transformers
+expects for decoder-only models; every batch is one transformers generate call.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from zerolite.lm import OffloadedLM
+from zerolite.runtime.batching import largest_batch
+from zerolite.errors import ZeroliteError
+from zerolite.moe.counts import ExpertCounts
+from zerolite.progress import token_progress
+from zerolite.generate.prompts import Completion, Prompt
+from zerolite.spec.decoding import SpeculationStats
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 64
+    sample: bool = False        # greedy unless set
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 50
+    seed: int | None = None     # set before every batch, so a batch's tokens do not depend on the ones before
+    chat: bool = False          # wrap each prompt in the tokenizer's chat template
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ZeroliteError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ZeroliteError(f"--temperature must be above 0, got {self.temperature}: for greedy decoding leave out --sample")
+        if not 0 < self.top_p <= 1:
+            raise ZeroliteError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ZeroliteError(f"--top-k must be 0 (all tokens) or more, got {self.top_k}")
+
+
+@dataclass
+class RunStats:
+    load_s: float = 0.0
+    convert_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0          # generated tokens kept, over all prompts (up to and with the end token)
+    decode_tokens: int = 0       # tokens produced by decode steps, over all rows
+    decode_steps: int = 0        # the model's forwards after each batch's prefill
+    bytes_read: int = 0
+    forwards: int = 0            # passes over the weights: each batch's prefill and its decode steps
+    experts: ExpertCounts | None = None  # a mixture streamed per expert: its expert bytes, cache and guesses
+    peak_rss_bytes: int = 0
+    peak_device_bytes: int | None = None
+    speculation: SpeculationStats | None = None   # with a draft: its rounds, guesses and times
+    ranks: int = 1               # the torchrun ranks these are the totals of
+
+    @classmethod
+    def across(cls, every: list[RunStats]) -> RunStats:
+        """A job's totals over its ranks: counts add up, times and peaks are the largest rank's (the
+        ranks run at once, each in a process of its own)."""
+        def total(field: str):
+            return sum(getattr(stats, field) for stats in every)
+
+        def most(field: str):
+            values = [getattr(stats, field) for stats in every if getattr(stats, field) is not None]
+            return max(values) if values else None
+
+        def added(field: str):
+            parts = [getattr(stats, field) for stats in every if getattr(stats, field) is not None]
+            return type(parts[0])(*map(sum, zip(*map(dataclasses.astuple, parts)))) if parts else None
+
+        return cls(**{f: most(f) for f in ("load_s", "convert_s", "prefill_s", "decode_s", "peak_rss_bytes", "peak_device_bytes")},
+                   **{f: total(f) for f in ("new_tokens", "decode_tokens", "decode_steps", "bytes_read", "forwards")},
+                   experts=added("experts"), speculation=added("speculation"), ranks=len(every))
+
+    def to_dict(self) -> dict:
+        return {
+            "load_s": round(self.load_s, 4),
+            "convert_s": round(self.convert_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "new_tokens": self.new_tokens,
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s > 0 else None,
+            # above 1 per row only with a draft: the tokens each pass over the weights made
+            "tokens_per_pass": round(self.decode_tokens / self.decode_steps, 3) if self.decode_steps else None,
+            "bytes_read": self.bytes_read,
+            **(self.experts.summary(self.bytes_read, self.forwards) if self.experts is not None else {}),
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_device_bytes": self.peak_device_bytes,
+            **({"ranks": self.ranks} if self.ranks > 1 else {}),
+            **(speculation_dict(self.speculation) if self.speculation is not None else {}),
+        }
+
+
+def speculation_dict(spec: SpeculationStats) -> dict:
+    return {
+        "draft_tokens": spec.drafted,
+        "accepted_tokens": spec.accepted,
+        # guesses kept / guesses made (a guess after the first miss of a round counts as not kept)
+        "acceptance_rate": round(spec.accepted / spec.drafted, 4) if spec.drafted else None,
+        "draft_s": round(spec.draft_s, 4),
+        "target_s": round(spec.target_s, 4),
+    }
+
+
+class StepClock(BaseStreamer):
+    """Times generate's steps through its streamer hook: the first put is the prompt, every later
+    put the tokens one forward made (one per row; several for one row when a draft's guesses were
+    checked in that forward). Prefill ends at the second put, decode at the last."""
+
+    def __init__(self, on_step: Callable[[int], None]):
+        self.on_step = on_step
+        self.times: list[float] = []
+        self.tokens: list[int] = []   # tokens each put carried
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+        self.tokens.append(value.numel())
+        if len(self.times) > 1:
+            self.on_step(value.numel())
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def prefill_s(self) -> float:
+        return self.times[1] - self.times[0] if len(self.times) > 1 else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.times[-1] - self.times[1] if len(self.times) > 2 else 0.0
+
+    @property
+    def decode_steps(self) -> int:
+        """Forwards of the model after the prefill."""
+        return max(len(self.times) - 2, 0)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens those forwards made, over all rows."""
+        return sum(self.tokens[2:])
+
+
+def generate_all(
+    lm: OffloadedLM,
+    prompts: list[Prompt],
+    sampling: Sampling,
+    batch_size: int | None,
+    on_batch: Callable[[list[Completion]], None],
+    show_progress: bool = True,
+    done: set = frozenset(),
+    on_start: Callable[[int, int], None] = lambda batch_size, tokens: None,
+) -> RunStats:
+    """Generates for every prompt, batch after batch, handing each batch's completions to on_batch.
+
+    batch_size None picks the largest batch the memory holds. Batches are cut from the whole list
+    by position, so that a batch always holds the same prompts (and so gives the same tokens);
+    those whose ids are all in done (a resumed run) are skipped. on_start hears the rows of the
+    largest batch that runs (fewer than batch_size when fewer prompts are left) and the longest
+    sequence among them, once the prompts are checked and before anything runs (if anything does).
+    The engine, the slots and the resident blocks stay warm from one batch to the next.
+
+    Under torchrun (lm.world) every rank calls this alike, with rank 0's prompts and done: the
+    batches left are dealt out in rounds, batch r * ranks + rank to each rank, and after every
+    round rank 0 alone hands all of its batches to on_batch, in input order, and shows the
+    progress; it returns the totals over every rank (RunStats.across), the others their own.
+    """
+    world = lm.world
+    encoded: list[list[int]] = []
+    batches: list[range] = []
+
+    def prepare() -> None:
+        nonlocal encoded, batches
+        if batch_size is not None and batch_size < 1:
+            raise ZeroliteError(f"--batch-size must be at least 1, got {batch_size}")
+        encoded = encode(lm, prompts, sampling.chat)
+        check_context(lm, prompts, encoded, sampling.max_new_tokens)
+        size = batch_size or min(world.together(  # the largest every rank's memory holds
+            lambda: largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens), "choosing the batch size"))
+        batches = [range(start, min(start + size, len(prompts))) for start in range(0, len(prompts), size)]
+        check_work(len(prompts), size, world.size)
+
+    world.each(prepare, "preparing the prompts")
+    batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
+    running = [i for rows in batches for i in rows]
+    if running:
+        on_start(max(map(len, batches)), max(len(encoded[i]) for i in running) + sampling.max_new_tokens)
+    config = generation_config(lm, sampling)
+    stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
+    bytes_before = lm.bytes_read
+    experts_before = lm.expert_counts()
+    speculation_before = copy.copy(lm.speculator.stats) if lm.speculator is not None else None
+    show_progress = show_progress and world.leads
+    with token_progress("generating", len(running) * sampling.max_new_tokens, enabled=show_progress) as progress:
+        for start in range(0, len(batches), world.size):
+            deal = batches[start:start + world.size]
+            progress.note(f"batch {start + 1}/{len(batches)}" if len(deal) == 1 else
+                          f"batches {start + 1}-{start + len(deal)}/{len(batches)} on {world.size} ranks")
+
+            def run_mine() -> tuple[list[Completion], int] | None:
+                rows = deal[world.rank] if world.rank < len(deal) else None
+                return run_batch(lm, prompts, encoded, rows, sampling, config, stats, progress) if rows else None
+
+            for rank, result in enumerate(world.together(run_mine, "generating")):
+                if result is not None and world.leads:
+                    completions, tokens = result
+                    if rank != world.rank:
+                        progress.advance(tokens)
+                    on_batch(completions)
+    stats.bytes_read = lm.bytes_read - bytes_before
+    if lm.executor.per_expert:
+        stats.experts = lm.expert_counts().since(experts_before)
+    if speculation_before is not None:
+        stats.speculation = lm.speculator.stats.since(speculation_before)
+    stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stats.peak_device_bytes = lm.device.peak_allocated()
+    if not world.distributed:
+        return stats
+    every = world.together(lambda: stats, "adding up")
+    return RunStats.across(every) if world.leads else stats
+
+
+def check_work(prompts: int, batch_size: int, ranks: int) -> None:
+    """Every rank must get a batch: torchrun's world is fixed, and an idle rank is a GPU wasted."""
+    batches = -(-prompts // batch_size)
+    if batches < ranks:
+        raise ZeroliteError(f"{prompts} prompt{'s' if prompts != 1 else ''} in batches of {batch_size} make {batches} "
+                            f"batch{'es' if batches != 1 else ''}, too few for {ranks} ranks: run {batches} "
+                            f"rank{'s' if batches != 1 else ''} (torchrun --nproc-per-node), or give a smaller --batch-size")
+
+
+def run_batch(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], rows: range, sampling: Sampling, config,
+              stats: RunStats, progress) -> tuple[list[Completion], int]:
+    """One batch through one generate call: its completions, and the tokens its steps made."""
+    input_ids, attention_mask = left_pad([encoded[i] for i in rows], config.pad_token_id)
+    clock = StepClock(progress.advance)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    output = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock)
+    new = output[:, input_ids.shape[1] :].cpu()
+    completions = [finish(lm, prompts[i], new[k].tolist(), config) for k, i in enumerate(rows)]
+    stats.prefill_s += clock.prefill_s
+    stats.decode_s += clock.decode_s
+    stats.decode_tokens += clock.decode_tokens
+    stats.decode_steps += clock.decode_steps
+    stats.forwards += 1 + clock.decode_steps
+    stats.new_tokens += sum(len(c.token_ids) for c in completions)
+    return completions, sum(clock.tokens[1:])
+
+
+def encode(lm: OffloadedLM, prompts: list[Prompt], chat: bool) -> list[list[int]]:
+    tokenizer = lm.tokenizer
+    vocab = lm.model.config.get_text_config().vocab_size
+    encoded = []
+    for prompt in prompts:
+        if prompt.input_ids is not None:
+            ids = list(prompt.input_ids)
+            if max(ids) >= vocab:
+                raise ZeroliteError(f"prompt {prompt.id!r} has token id {max(ids)}, but the model's vocabulary has {vocab}: check its input_ids")
+        elif tokenizer is None:
+            raise ZeroliteError(f"prompt {prompt.id!r} is text, but this model has no tokenizer: give \"input_ids\" in the --input file instead")
+        elif chat:
+            if not tokenizer.chat_template:
+                raise ZeroliteError("--chat asked for, but this model's tokenizer has no chat template: leave out --chat")
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(prompt.text).input_ids
+        if not ids:
+            raise ZeroliteError(f"prompt {prompt.id!r} encodes to no tokens: give it some text")
+        encoded.append(ids)
+    return encoded
+
+
+def context_length(lm: OffloadedLM) -> int | None:
+    config = lm.model.config.get_text_config()
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], max_new_tokens: int) -> None:
+    limit = context_length(lm)
+    if limit is None:
+        return
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    length = len(encoded[longest])
+    if length > limit:
+        raise ZeroliteError(
+            f"prompt {prompts[longest].id!r} is {length} tokens, longer than the model's context of {limit}: shorten it"
+        )
+    if length + max_new_tokens > limit:
+        raise ZeroliteError(
+            f"prompt {prompts[longest].id!r} is {length} tokens; with --max-new-tokens {max_new_tokens} it would run past "
+            f"the model's context of {limit}: use --max-new-tokens {limit - length} or less"
+        )
+
+
+def generation_config(lm: OffloadedLM, sampling: Sampling):
+    config = copy.deepcopy(lm.generation_config)
+    config.max_new_tokens = sampling.max_new_tokens
+    config.max_length = None
+    config.do_sample = sampling.sample
+    if sampling.sample:
+        config.temperature, config.top_p, config.top_k = sampling.temperature, sampling.top_p, sampling.top_k
+    if config.pad_token_id is None:
+        config.pad_token_id = pad_id(lm, config)
+    return config
+
+
+def pad_id(lm: OffloadedLM, config) -> int:
+    """The generation config's pad id, else the tokenizer's, else the end-of-sequence id."""
+    if lm.tokenizer is not None and lm.tokenizer.pad_token_id is not None:
+        return lm.tokenizer.pad_token_id
+    eos = config.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if eos is not None else 0
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for k, ids in enumerate(rows):
+        input_ids[k, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[k, width - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
+def end_token_ids(config) -> frozenset[int]:
+    """The generation config's end-of-sequence ids (one id, a list, or none)."""
+    eos = config.eos_token_id
+    return frozenset(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def finish(lm: OffloadedLM, prompt: Prompt, new_ids: list[int], config) -> Completion:
+    """Cuts a row's new tokens after its first end-of-sequence token (generate pads the rest)."""
+    eos_ids = end_token_ids(config)
+    reason = "length"
+    for k, token in enumerate(new_ids):
+        if token in eos_ids:
+            new_ids, reason = new_ids[: k + 1], "stop"
+            break
+    text = lm.tokenizer.decode(new_ids, skip_special_tokens=True) if lm.tokenizer is not None else None
+    return Completion(prompt.id, prompt.text, text, new_ids, reason)

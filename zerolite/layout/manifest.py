@@ -1,0 +1,225 @@
+"""The layout's on-disk format: where each block's bytes are, and where each tensor is inside its block.
+
+    layout/
+      manifest.json      written last, atomically: its presence means the layout is whole
+      weights.bin        every block as one 4 KiB-aligned extent, in execution order
+      config.json ...    the model's config, generation config and tokenizer files
+
+Everything read from manifest.json is validated before use: names are plain dotted identifiers,
+the data file stays inside the layout folder, and every extent lies inside its file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from zerolite.errors import ZeroliteError
+from zerolite.io.engine import ALIGNMENT
+
+FORMAT = "zerolite-layout"
+VERSION = 1
+MANIFEST = "manifest.json"
+DATA_FILE = "weights.bin"
+TENSOR_ALIGNMENT = 256  # inside a block: enough for any dtype and for vectorised GPU loads
+
+DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                  torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+}
+QUANTIZED_WEIGHTS = ("int8", "int4")  # the weight schemes this build converts and runs (zerolite.quant.quantize)
+NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the block (for a fused expert tensor: of expert 0's slice)
+    expert_stride: int = 0  # a fused expert tensor stored one slice per expert extent: bytes from one
+                            # expert's slice to the next; 0 for a tensor stored in one piece
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @property
+    def span(self) -> int:
+        """Bytes from the tensor's first byte to its last, padding between experts' slices included."""
+        if not self.expert_stride:
+            return self.nbytes
+        return (self.shape[0] - 1) * self.expert_stride + self.nbytes // self.shape[0]
+
+
+@dataclass(frozen=True)
+class ExpertArea:
+    """The tail of a layer's block where a mixture's experts lie, one 4 KiB-aligned extent each,
+    holding that expert's slice of every fused expert tensor: a step reads only the experts its
+    router picks. The bytes before offset (attention, norms, router, shared experts) are the
+    layer's dense part."""
+    module: str                 # the experts module, from the layer: "mlp.experts"
+    offset: int                 # bytes from the start of the block to expert 0's extent
+    stride: int                 # bytes per expert extent
+    count: int
+    dense_crc32: int            # of the bytes before offset
+    crc32s: tuple[int, ...]     # of each expert's extent
+
+    def extent(self, expert: int) -> tuple[int, int]:
+        """(start in the block, length) of one expert's bytes."""
+        return self.offset + expert * self.stride, self.stride
+
+
+@dataclass(frozen=True)
+class BlockEntry:
+    name: str
+    offset: int   # bytes from the start of the data file, 4 KiB aligned
+    length: int   # bytes, 4 KiB aligned (zero padded)
+    crc32: int    # of all `length` bytes
+    tensors: tuple[TensorEntry, ...]
+    experts: ExpertArea | None = None  # where a mixture-of-experts layer's experts lie apart
+
+    @property
+    def dense_length(self) -> int:
+        """Bytes a step always needs: the whole block, or a mixture's part before its experts."""
+        return self.experts.offset if self.experts else self.length
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> BlockEntry:
+        """From its JSON form (the manifest's and the convert journal's): lists become tuples."""
+        tensors = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"])
+        experts = raw.get("experts")
+        if experts is not None:
+            experts = ExpertArea(**{**experts, "crc32s": tuple(experts["crc32s"])})
+        return cls(**{**raw, "tensors": tensors, "experts": experts})
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_type: str
+    dtype: str
+    layers_path: str
+    blocks: tuple[BlockEntry, ...]
+    aliases: dict[str, str]          # tied parameter -> the stored tensor it shares
+    source: dict[str, str]           # what it was converted from: {"model", "fingerprint"}
+    data_file: str = DATA_FILE
+    quantization: dict | None = None  # {"weights": "int8", ...} when the layers' Linear weights are quantized
+
+    @property
+    def data_bytes(self) -> int:
+        return self.blocks[-1].offset + self.blocks[-1].length if self.blocks else 0
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """The decoder layers' blocks, in order; the others are the embeddings, final norm and head."""
+        return tuple(b.name for b in self.blocks if b.name.startswith("layers."))
+
+    def nbytes(self, names) -> int:
+        """Bytes of the named blocks together."""
+        return sum(self.block(name).length for name in names)
+
+    def block(self, name: str) -> BlockEntry:
+        """Called several times per layer per decode step: a dict lookup, not a scan of the blocks."""
+        try:
+            return self._blocks_by_name[name]
+        except KeyError:
+            raise KeyError(f"no block named {name!r}; blocks are {', '.join(b.name for b in self.blocks)}") from None
+
+    @cached_property
+    def _blocks_by_name(self) -> dict[str, BlockEntry]:
+        # Built on first use; cached_property writes the instance __dict__, which a frozen dataclass allows.
+        return {block.name: block for block in self.blocks}
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "version": VERSION, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> Manifest:
+        try:
+            raw = json.loads(text)
+            if raw.pop("format", None) != FORMAT or raw.pop("version", None) != VERSION:
+                raise ValueError(f"not a {FORMAT} version {VERSION} manifest")
+            blocks = tuple(BlockEntry.from_dict(b) for b in raw.pop("blocks"))
+            manifest = cls(blocks=blocks, **raw)
+            manifest.validate()
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ZeroliteError(
+                f"{where} is damaged ({' '.join(str(e).split())}): convert the model again into a fresh --path"
+            ) from e
+        return manifest
+
+    def validate(self) -> None:
+        """Refuses anything that could read outside the layout or misplace a tensor."""
+        if not NAME.fullmatch(Path(self.data_file).name) or Path(self.data_file).name != self.data_file:
+            raise ValueError(f"data file {self.data_file!r} is not a plain file name inside the layout")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.quantization is not None and self.quantization.get("weights") not in QUANTIZED_WEIGHTS:
+            raise ValueError(f"unknown quantization {self.quantization!r}")
+        if len(self._blocks_by_name) != len(self.blocks):
+            raise ValueError("two blocks share a name")
+        end = 0
+        for block in self.blocks:
+            if not NAME.fullmatch(block.name):
+                raise ValueError(f"bad block name {block.name!r}")
+            if block.offset % ALIGNMENT or block.length % ALIGNMENT or block.offset < end:
+                raise ValueError(f"block {block.name} has a misaligned or overlapping extent")
+            end = block.offset + block.length
+            for tensor in block.tensors:
+                if not NAME.fullmatch(tensor.name) or tensor.dtype not in DTYPES:
+                    raise ValueError(f"bad tensor entry {tensor.name!r} in block {block.name}")
+                if any(not isinstance(d, int) or d < 0 for d in tensor.shape):
+                    raise ValueError(f"bad shape for {tensor.name}")
+                if tensor.offset < 0 or tensor.offset + tensor.span > block.length:
+                    raise ValueError(f"{tensor.name} lies outside block {block.name}")
+            if block.experts is not None:
+                area = block.experts
+                if (not NAME.fullmatch(area.module) or area.offset % ALIGNMENT or area.stride % ALIGNMENT
+                        or area.count < 1 or len(area.crc32s) != area.count
+                        or area.offset + area.count * area.stride != block.length):
+                    raise ValueError(f"block {block.name} has a bad expert area")
+        stored = {t.name for b in self.blocks for t in b.tensors}
+        for alias, target in self.aliases.items():
+            if not NAME.fullmatch(alias) or target not in stored:
+                raise ValueError(f"alias {alias!r} points at {target!r}, which is not stored")
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
+    """Places tensors one after another, each TENSOR_ALIGNMENT aligned; returns entries and block length."""
+    entries, cursor = [], 0
+    for name, tensor in tensors.items():
+        cursor = round_up(cursor, TENSOR_ALIGNMENT)
+        entry = TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), cursor)
+        entries.append(entry)
+        cursor += entry.nbytes
+    return entries, round_up(cursor, ALIGNMENT)
+
+
+def pack_experts(tensors: dict[str, torch.Tensor], start: int) -> tuple[list[TensorEntry], int]:
+    """Places fused expert tensors ([experts, ...] each) from start (4 KiB aligned) on: one extent
+    per expert, holding its slice of every tensor, each slice TENSOR_ALIGNMENT aligned; returns
+    the entries and the extents' stride."""
+    slices, cursor = {}, 0
+    for name, tensor in tensors.items():
+        cursor = round_up(cursor, TENSOR_ALIGNMENT)
+        slices[name] = cursor
+        cursor += tensor[0].numel() * tensor.dtype.itemsize
+    stride = round_up(cursor, ALIGNMENT)
+    entries = [TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), start + slices[name], stride)
+               for name, tensor in tensors.items()]
+    return entries, stride
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

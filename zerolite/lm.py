@@ -1,0 +1,328 @@
+"""The Python API: load a model for streamed inference, then generate as with transformers.
+
+    lm = zerolite.load("/nvme/bloom", offload="nvme")
+    batch = lm.tokenizer(prompts, return_tensors="pt", padding=True)
+    out = lm.generate(**batch, max_new_tokens=100)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+import torch
+from transformers import AutoConfig
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+
+from zerolite.runtime.budget import Budgets
+from zerolite.convert.writer import choose_dtype
+from zerolite.io.device import Device, cuda_available, cuda_device_count, resolve
+from zerolite.spec.draft import (SELF_DRAFTS, check_draft_fits, check_same_vocabulary, draft_layout, draft_step_s,
+                            quantize_head, ring_depth)
+from zerolite.convert.resolve import ensure_layout
+from zerolite.errors import ZeroliteError
+from zerolite.hf import load_tokenizer, quiet_transformers
+from zerolite.runtime.executor import Executor
+from zerolite.moe.counts import ExpertCounts
+from zerolite.io.engine import IoEngine
+from zerolite.runtime.kv_cache import PartialOffloadCache
+from zerolite.layout.folder import Layout
+from zerolite.layout.manifest import DTYPES
+from zerolite.runtime.plan import Plan
+from zerolite.runtime.policy import Policy, parse_size
+from zerolite.runtime.preflight import preflight
+from zerolite.progress import byte_progress
+from zerolite.spec.decoding import Speculator, speculative_decoding
+from zerolite.runtime.timeline import NO_TIMELINE, Timeline
+from zerolite.dist.world import SINGLE, World
+
+
+class OffloadedLM:
+    """A transformers causal LM whose blocks stream from disk or host memory as it runs.
+
+    .model is transformers' own model object, .tokenizer its tokenizer (None when the layout has
+    none), .generate takes everything transformers' generate does. .plan, .layout, .policy,
+    .device and .load_read_gbps are what the plan printer and the profiler read.
+    """
+
+    def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float, draft: OffloadedLM | None = None,
+                 draft_step_s: float | None = None, world: World = SINGLE):
+        self.executor = executor
+        self.world = world  # the ranks of a torchrun job, each with a model of its own
+        self.model = executor.model
+        self.tokenizer = tokenizer
+        self.load_s = load_s
+        self.convert_s = convert_s
+        self.draft = draft  # held resident; generate drafts with it (zerolite.spec.draft, zerolite.spec.decoding)
+        self.speculator = Speculator(draft.model, executor.timeline, draft_step_s) if draft is not None else None
+
+    @property
+    def device(self) -> Device:
+        """The zerolite Device the model runs on (its streams, memory and events)."""
+        return self.executor.device
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self.executor.device.torch_device
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
+    @property
+    def bytes_read(self) -> int:
+        return self.executor.bytes_read
+
+    def expert_counts(self) -> ExpertCounts:
+        """Running totals of a mixture streamed per expert (zerolite.moe.counts)."""
+        return self.executor.expert_counts()
+
+    @property
+    def plan(self) -> Plan:
+        return self.executor.plan
+
+    @property
+    def layout(self) -> Layout:
+        return self.executor.layout
+
+    @property
+    def policy(self) -> Policy:
+        return self.executor.policy
+
+    @property
+    def engine(self) -> IoEngine:
+        return self.executor.engine
+
+    @property
+    def load_read_gbps(self) -> float:
+        """How fast the disk read while loading: the plan's bound uses it."""
+        return self.executor.load_read_gbps
+
+    def settle(self) -> None:
+        """Waits for the reads ahead still in flight (a profile puts them on its timeline too)."""
+        self.executor.slots.drain()
+
+    def generate(self, *args, **kwargs):
+        """transformers' generate, with tensor arguments moved to the model's device and, with
+        kv_offload set, a cache that keeps that fraction of the layers' K/V in host memory."""
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        check_token_ids(self.model.config, input_ids)
+        refuse_static_cache(self.model, kwargs)
+        if self.draft is not None:
+            if isinstance(input_ids, torch.Tensor) and input_ids.shape[0] > 1:
+                raise ZeroliteError(f"speculative decoding runs at batch 1, and this batch has {input_ids.shape[0]} "
+                                    "prompts: give them one at a time, or leave out --draft to batch them")
+            asked = kwargs.get("generation_config") or self.model.generation_config
+            beams = kwargs.get("num_beams", asked.num_beams) or 1  # transformers 5 leaves unset fields None
+            if beams > 1 or kwargs.get("return_dict_in_generate", asked.return_dict_in_generate):
+                raise ZeroliteError("speculative decoding decodes greedily or by sampling and returns token ids: "
+                                    "leave out num_beams and return_dict_in_generate, or load without a draft")
+            # transformers hands a callable custom_generate its own new keywords only, not the streamer
+            kwargs["custom_generate"] = functools.partial(speculative_decoding, speculator=self.speculator,
+                                                          streamer=kwargs.get("streamer"))
+        args = tuple(a.to(self.torch_device) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.to(self.torch_device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        config = kwargs.get("generation_config") or self.model.generation_config
+        fraction = self.executor.policy.kv_offload
+        offload_kv = fraction > 0 and given_cache(kwargs) is None
+        if not config.disable_compile or (offload_kv and config.cache_implementation is not None):
+            # compiling would capture one forward's weight addresses; and generate refuses a cache
+            # passed in beside a configured one
+            config = kwargs["generation_config"] = copy.copy(config)
+            config.disable_compile = True
+            if offload_kv:
+                config.cache_implementation = None
+        cache = PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_streams) if offload_kv else None
+        if cache is not None:
+            kwargs["cache"] = cache
+        try:
+            return self.model.generate(*args, **kwargs)
+        except BaseException:
+            self.executor.recover()
+            raise
+        finally:
+            if cache is not None:
+                cache.settle()
+
+    def close(self) -> None:
+        self.executor.close()
+        if self.draft is not None:
+            self.draft.close()
+
+    def __enter__(self) -> OffloadedLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_token_ids(config, input_ids) -> None:
+    """An id past the vocabulary is checked here, on the host: on a GPU it would be a device-side
+    assert, which poisons the CUDA context, and the recovery would then raise a second error that
+    hides the first."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.numel() == 0:
+        return
+    vocab = config.get_text_config().vocab_size
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        bad = high if high >= vocab else low
+        raise ZeroliteError(f"input_ids hold token id {bad}, but the model's vocabulary has ids 0 to {vocab - 1}: check the prompt's ids")
+
+
+def given_cache(kwargs: dict):
+    """The cache a caller passed to generate: transformers 5 names it cache (past_key_values before)."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def refuse_static_cache(model, kwargs: dict) -> None:
+    """zerolite rebinds each layer's weights to a slot's bytes at every forward; a static cache is
+    there to capture the forward in CUDA graphs or torch.compile, which would keep the addresses
+    of one forward's slots."""
+    config = kwargs.get("generation_config") or model.generation_config
+    asked = kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)
+    cache = given_cache(kwargs)
+    if asked in ALL_STATIC_CACHE_IMPLEMENTATIONS or (cache is not None and getattr(cache, "is_compileable", False)):
+        raise ZeroliteError(
+            f"a static cache ({asked or type(cache).__name__}) cannot run with streamed weights: zerolite rebinds "
+            "each layer's weights at every forward, which CUDA graphs and torch.compile do not allow; use the default "
+            "dynamic cache"
+        )
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    offload: str = "nvme",
+    path: str | os.PathLike | None = None,
+    device: str | Device = "auto",
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+    show_progress: bool = True,
+    timeline: Timeline | None = None,
+    draft: str | os.PathLike | None = None,
+    draft_group_size: int | None = None,
+    world: World | None = None,
+    **policy,
+) -> OffloadedLM:
+    """Loads model for streamed inference.
+
+    model: a zerolite layout folder, or a checkpoint (model folder, .gguf file, hub id in the local
+    cache), converted first into path (default: zerolite's cache) and reused on later loads.
+    None means the built-in SmolLM2-135M-Instruct. timeline, if given, records what the executor
+    does (zerolite profile). draft: a layout or checkpoint sharing the model's tokenizer, or
+    "self-int4" / "self-int8" (with draft_group_size), held resident to draft for speculative
+    decoding at batch 1 (zerolite.spec.draft). The remaining keywords are Policy fields (prefetch_depth, gpu_memory,
+    cpu_memory (bytes, or sizes such as "24GB"), kv_offload, io_backend, ...).
+
+    Under torchrun (world: default from the environment) every rank calls load alike: each runs
+    on its own device (cuda is the GPU of its LOCAL_RANK), the ranks of a node share one copy of
+    the host-memory tier (zerolite.dist.node_copy), all make the same plan, and a failure on any rank
+    raises on every rank (zerolite.dist.world).
+    """
+    quiet_transformers()
+    world = World.from_env() if world is None else world
+    world.start()
+    show_progress = show_progress and world.leads
+    for budget in ("gpu_memory", "cpu_memory"):
+        if isinstance(policy.get(budget), str):
+            policy[budget] = parse_size(policy[budget], "--" + budget.replace("_", "-"))
+    policy = world.each(lambda: Policy(offload=offload, device=device, **policy), "checking the arguments")
+    started = time.perf_counter()
+    # The node's first rank converts (if need be) before the others open what it wrote.
+    converted = world.each(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress) if world.local_rank == 0
+                           else None, "converting the model")
+    layout_folder = world.each(lambda: converted or ensure_layout(model, path, dtype, allow_pickle, show_progress),
+                               "opening the layout")
+    convert_s = time.perf_counter() - started
+
+    started = time.perf_counter()
+    draft_lm, guess_s, executor, layout, target, tokenizer = None, None, None, None, None, None
+    try:
+        def prepare() -> None:
+            nonlocal layout, target, tokenizer
+            layout = Layout.open(layout_folder)
+            if dtype is not None and DTYPES[layout.manifest.dtype] != choose_dtype(dtype, None):
+                raise ZeroliteError(
+                    f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
+                    f"convert into another --path with --dtype {dtype}"
+                )
+            target = rank_device(policy, world)
+            if world.distributed:  # what transformers allocates on "cuda" lands on this rank's GPU, not GPU 0
+                target.adopt_thread()
+            tokenizer = load_tokenizer(layout_folder)
+
+        def budget() -> Budgets:
+            nonlocal draft_lm, guess_s, policy
+            # The draft first: it is held whole, and the model's default budgets then see what it left.
+            if draft is not None:
+                draft_lm = load_draft(str(draft), draft_group_size, layout, tokenizer, target, show_progress)
+                guess_s = draft_step_s(draft_lm)
+                policy = dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
+            return Budgets.make(layout.manifest, policy, target, world.local_size)
+
+        world.each(prepare, "opening the layout")
+        if draft is not None:  # the node's first rank makes a self-draft's layout, as it converted the model's
+            world.each(lambda: draft_layout(str(draft), layout, draft_group_size, show_progress)
+                       if world.local_rank == 0 else None, "making the draft")
+        prepared = world.together(budget, "loading")
+        # One plan for every rank: the node's host copy holds the same layers for all of them.
+        budgets = Budgets(min(b.device for b in prepared), min(b.host for b in prepared))
+        plan = Plan.make(layout.manifest, policy, budgets, target.pinned_cost, world.local_size)
+        warnings = world.each(lambda: preflight(layout, plan, policy, target, world.local_size), "checking memory")
+        for warning in warnings if world.leads else ():
+            print(f"zerolite: warning: {warning}", file=sys.stderr)
+
+        def execute() -> None:
+            nonlocal executor
+            loaded = [layout.manifest.block(name) for name in plan.loaded]
+            with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
+                executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE, world)
+
+        world.each(execute, "loading")
+        if executor.experts_note and world.leads:
+            print(f"zerolite: {executor.experts_note}", file=sys.stderr)
+    except BaseException:
+        if executor is not None:
+            executor.close()
+        if draft_lm is not None:
+            draft_lm.close()
+        raise
+    return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s, world)
+
+
+def rank_device(policy: Policy, world: World) -> Device:
+    """The policy's device, each rank on its own GPU under torchrun: cuda is LOCAL_RANK's."""
+    spec = policy.device
+    if not isinstance(spec, str) or spec == "cpu" or world.local_size == 1:
+        return policy.target()
+    if spec.startswith("cuda:"):
+        raise ZeroliteError(f"--device {spec} would put the {world.local_size} ranks of a node on one GPU: give --device "
+                            "cuda, and each rank takes the GPU of its LOCAL_RANK")
+    if spec == "auto" and not cuda_available():
+        return policy.target()
+    count = cuda_device_count()
+    if world.local_rank >= count:
+        raise ZeroliteError(f"{world.local_size} ranks on this node but {count} GPU{'s' if count != 1 else ''}: give "
+                            f"torchrun --nproc-per-node {count} or less")
+    return resolve(f"cuda:{world.local_rank}")
+
+
+def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,
+               show_progress: bool) -> OffloadedLM:
+    """The draft of speculative decoding, held whole on the model's device (zerolite.spec.draft)."""
+    folder = draft_layout(spec, target, group_size, show_progress)
+    check_same_vocabulary(tokenizer, AutoConfig.from_pretrained(target.folder), folder)
+    check_draft_fits(Layout.open(folder), device)
+    draft = load(folder, offload="none", device=device, show_progress=show_progress, world=SINGLE)  # each rank its own
+    if spec in SELF_DRAFTS:
+        quantize_head(draft)
+    return draft
+
+

@@ -1,0 +1,1 @@
+"""Measuring a run and the machine, and saying what limits the speed."""

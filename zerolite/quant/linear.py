@@ -1,0 +1,144 @@
+"""The modules quantized layers run with: a Linear whose weight is int8 or int4, its tensors bound
+from a slot as views like any other block's, with no copy.
+
+    install(model, manifest, device)   # swaps the layers' quantized Linear / Conv1D modules for them
+
+Where host memory is the device's (a CPU), a decode step computes with torch's weight-only kernels
+(aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu), which read the weight as stored:
+nothing is dequantised or repacked per decode step. Those kernels' cost grows with the rows far
+faster than a matmul's, so from a threshold of rows on (a prefill) the weight is dequantised once
+for the call into the activations' dtype and an ordinary matmul runs. The int4 kernel is fast only
+with bf16 activations (fp32 and fp16 take a scalar path, 10-50x a dense matmul), so other dtypes
+always dequantise. Where the device has memory of its own (a GPU), the quantized bytes are what
+crosses the link (about a half or a quarter of bf16's), and they are always dequantised there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerolite.io.device import Device
+from zerolite.errors import ZeroliteError
+from zerolite.quant.int4_packing import Int4Packing, cpu_packing, unpack_int4
+from zerolite.layout.manifest import DTYPES, Manifest
+from zerolite.quant.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme, linear_shape, whole_groups
+
+# From these many rows dequantise-then-matmul beats the kernel, on the CPUs measured. int8: one
+# 5632 x 2048 matrix took 0.6 ms (1 row), 5.5 ms (16) and 21.8 ms (128) in the kernel against
+# 2.9 ms (16) and 7.9 ms (128) as a bf16 matmul. int4: 0.3 ms (1), 17.7 ms (128) and 71 ms (512)
+# in the kernel against 7.5 ms (128) and 27.5 ms (512) as a matmul, plus about 50 ms to unpack.
+DEQUANTIZE_ROWS = 64
+INT4_DEQUANTIZE_ROWS = 512
+
+
+class QuantizedLinear(nn.Module):
+    """What the int8 and int4 modules share: the bias, and rows in and out."""
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dequantize: bool):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dequantize = dequantize
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # contiguous: the kernels read rows as they lie
+        y = self.multiply(rows)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, out_features: int, in_features: int, scale_dtype: torch.dtype, bias: torch.Tensor | None,
+                 dequantize: bool):
+        super().__init__(out_features, in_features, bias, dequantize)
+        # Meta placeholders: the executor binds the stored int8 weight and its scales over them.
+        self.register_buffer("weight", torch.empty((out_features, in_features), dtype=torch.int8, device="meta"))
+        self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=scale_dtype, device="meta"))
+
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        scale = getattr(self, "weight" + SCALE_SUFFIX).to(rows.dtype)
+        if self.dequantize or rows.shape[0] >= DEQUANTIZE_ROWS:
+            return F.linear(rows, self.weight.to(rows.dtype) * scale[:, None])
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int4Linear(QuantizedLinear):
+    def __init__(self, out_features: int, in_features: int, scheme: WeightScheme, scale_dtype: torch.dtype,
+                 bias: torch.Tensor | None, dequantize: bool):
+        super().__init__(out_features, in_features, bias, dequantize)
+        self.group_size = scheme.group_size
+        self.packing = scheme.packing
+        self.stored_in = whole_groups(in_features, self.group_size)  # a partial last group is stored padded
+        self.register_buffer("weight", torch.empty((out_features, self.stored_in // 2), dtype=torch.uint8, device="meta"))
+        self.register_buffer("weight" + SCALE_ZERO_SUFFIX, torch.empty(
+            (self.stored_in // self.group_size, out_features, 2), dtype=scale_dtype, device="meta"))
+
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
+        if self.dequantize or rows.dtype != torch.bfloat16 or rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
+            weight = dequantize_int4(self.weight, scale_zero, self.group_size, self.packing, rows.dtype)
+            return F.linear(rows, weight[:, : self.in_features])
+        # Zeros against the padding columns: whatever those hold, they add nothing.
+        rows = F.pad(rows, (0, self.stored_in - self.in_features)) if self.stored_in > self.in_features else rows
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, scale_zero.to(rows.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4, group_size={self.group_size}"
+
+
+def dequantize_int4(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int, packing: Int4Packing,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The [out, in] weight in dtype: (q - 8) * scale + zero, group by group, on packed's device."""
+    groups, out_features, _ = scale_zero.shape
+    q = unpack_int4(packed, out_features, groups * group_size, packing)
+    scale_zero = scale_zero.to(dtype).transpose(0, 1)  # [out, groups, 2]
+    weight = (q.reshape(out_features, groups, group_size).to(dtype) - 8) * scale_zero[..., :1] + scale_zero[..., 1:]
+    return weight.reshape(out_features, groups * group_size)
+
+
+def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
+    """Replaces every module whose weight the layout stores quantized (it has a companion tensor)."""
+    if manifest.quantization is None:
+        return
+    scheme = WeightScheme.from_manifest(manifest.quantization)
+    scale_dtype = DTYPES[manifest.dtype]
+    if scheme.name == "int4" and not device.separate_memory and scale_dtype == torch.bfloat16:
+        check_packing(scheme)
+    for block in manifest.blocks:
+        for name in (t.name for t in block.tensors):
+            if not name.endswith(".weight" + scheme.companion):
+                continue
+            path = name.removesuffix(".weight" + scheme.companion)
+            parent_path, _, leaf = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            original = getattr(parent, leaf)
+            bias = getattr(original, "bias", None)
+            shape = linear_shape(original)
+            if scheme.name == "int8":
+                module = Int8Linear(shape.out_features, shape.in_features, scale_dtype, bias, device.separate_memory)
+            else:
+                module = Int4Linear(shape.out_features, shape.in_features, scheme, scale_dtype, bias,
+                                    device.separate_memory)
+            setattr(parent, leaf, module)
+
+
+def check_packing(scheme: WeightScheme) -> None:
+    """The CPU int4 kernel reads its own packed order: a layout packed for another torch or another
+    kind of CPU would compute garbage there, so it is refused."""
+    here = cpu_packing()
+    if scheme.packed_by != torch.__version__ or scheme.packing != here:
+        raise ZeroliteError(
+            f"this layout's int4 weights were packed by torch {scheme.packed_by} in {scheme.packing.block_rows}-row "
+            f"blocks, which torch {torch.__version__}'s int4 kernel does not read on this CPU (it wants "
+            f"{here.block_rows}-row blocks from torch {torch.__version__}): convert the model again with --weights int4"
+        )

@@ -1,0 +1,216 @@
+"""Weight quantization at convert time: which tensors are quantized, and how.
+
+    scheme = WeightScheme.parse("int4", group_size=64)      # None: the layout's dtype, as before
+    targets = quantizable_linears(meta_model, "model.layers")   # {module path: LinearShape}
+    scheme.check(targets)                                   # every width fits the scheme, or one clear error
+    tensors = scheme.quantize_block(tensors, targets)       # P.weight -> P.weight + its companion
+
+Every Linear inside the decoder layers (and transformers' Conv1D, GPT-2's Linear with its weight
+stored transposed) is quantized; embeddings, norms, biases and the head keep the layout's dtype.
+The quantized weight is always stored [out, in], whatever the module stored, so one module per
+scheme (zerolite.quant.linear) runs them all.
+
+- int8: symmetric per output channel, weight = q * scale with q in [-127, 127]; the companion
+  P.weight_scale holds one scale per output row.
+- int4: asymmetric per group of input columns, weight = (q - 8) * scale + zero with q in [0, 15],
+  the form torch's CPU int4 kernel computes. P.weight holds the nibbles in that kernel's packed
+  order (zerolite.quant.int4_packing, recorded in the manifest); the companion P.weight_scale_zero is
+  [groups, out, 2], the kernel's scales-and-zeros tensor. A width that is no multiple of the group
+  (SmolLM2's 576 at group 128) ends in a partial group: it is stored padded to a whole one, its
+  scale and zero taken from its real columns alone, and the module pads its input with zeros, so the
+  padding adds exactly nothing. A group whose values already sit on a
+  grid of 16 evenly spaced levels (a GGUF Q4_0 or Q4_1 source at group 32) keeps that grid, so its
+  values come back as they were instead of being rounded a second time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from zerolite.errors import ZeroliteError
+from zerolite.quant.int4_packing import ROW_MULTIPLE, Int4Packing, cpu_packing, pack_int4
+
+SCALE_SUFFIX = "_scale"             # int8: P.weight's scales are stored as P.weight_scale
+SCALE_ZERO_SUFFIX = "_scale_zero"   # int4: P.weight's scales and zero points as P.weight_scale_zero
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
+LEVELS = 15  # int4's steps between a group's lowest and highest level
+GRID_TOLERANCE = 1e-3  # of a step: how far from a level a value on an existing grid may lie
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    out_features: int
+    in_features: int
+    transposed: bool   # the module stores its weight [in, out] (Conv1D)
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    name: str                               # "int8" or "int4"
+    group_size: int | None = None           # int4: input columns per scale and zero point
+    packing: Int4Packing | None = None      # int4: the order of the stored nibbles
+    packed_by: str | None = None            # int4: the torch version that packing was taken from
+
+    @classmethod
+    def parse(cls, weights: str | None, group_size: int | None = None) -> WeightScheme | None:
+        if weights is None:
+            if group_size is not None:
+                raise ZeroliteError("--group-size is for int4 weights: give --weights int4 too")
+            return None
+        if weights == "int8":
+            if group_size is not None:
+                raise ZeroliteError("--group-size is for int4's groups: int8 has one scale per output channel")
+            return cls("int8")
+        if weights == "int4":
+            group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+            if group_size not in GROUP_SIZES:
+                raise ZeroliteError(f"--group-size {group_size} is not one int4 takes: choose 32, 64 or 128")
+            return cls("int4", group_size, cpu_packing(), torch.__version__)
+        raise ZeroliteError(f"unknown --weights {weights!r}: choose int8 or int4 (or leave it out for the layout's dtype)")
+
+    @classmethod
+    def from_manifest(cls, record: dict) -> WeightScheme:
+        if record["weights"] == "int4":
+            return cls("int4", int(record["group_size"]), Int4Packing.from_manifest(record["packing"]),
+                       str(record["packing"]["torch"]))
+        return cls(record["weights"])
+
+    def to_manifest(self) -> dict:
+        if self.name == "int8":
+            return {"weights": "int8", "scale": "symmetric, per output channel"}
+        return {"weights": "int4", "group_size": self.group_size,
+                "zero_point": "asymmetric, per group: weight = (q - 8) * scale + zero",
+                "packing": {"torch": self.packed_by, **self.packing.to_manifest()}}
+
+    @property
+    def companion(self) -> str:
+        """The suffix of the tensor stored beside each quantized P.weight."""
+        return SCALE_SUFFIX if self.name == "int8" else SCALE_ZERO_SUFFIX
+
+    def check(self, targets: dict[str, LinearShape]) -> None:
+        """One clear error for the first layer whose widths the scheme cannot store (any input
+        width can: a partial last group is padded)."""
+        if self.name != "int4":
+            return
+        for path, shape in targets.items():
+            if shape.out_features % ROW_MULTIPLE:
+                raise ZeroliteError(f"int4 needs output widths that are multiples of {ROW_MULTIPLE}, and {path} has "
+                                    f"{shape.out_features}: use --weights int8")
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{suffix: tensor}: "" for the quantized weight, the companion for its scales."""
+        if self.name == "int8":
+            q, scale = quantize_int8(weight)
+            return {"": q, SCALE_SUFFIX: scale}
+        q, scale_zero = quantize_int4(weight, self.group_size)
+        return {"": pack_int4(q, self.packing), SCALE_ZERO_SUFFIX: scale_zero}
+
+    def stored_shapes(self, shape: LinearShape, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What quantize makes of a weight of this shape, without making it."""
+        out, inp = shape.out_features, shape.in_features
+        if self.name == "int8":
+            return {"": ((out, inp), torch.int8), SCALE_SUFFIX: ((out,), dtype)}
+        padded = whole_groups(inp, self.group_size)
+        return {"": ((out, padded // 2), torch.uint8), SCALE_ZERO_SUFFIX: ((padded // self.group_size, out, 2), dtype)}
+
+    def quantize_block(self, tensors: dict[str, torch.Tensor], targets: dict[str, LinearShape]) -> dict[str, torch.Tensor]:
+        """The block's tensors with each target module's weight quantized (others unchanged)."""
+        out = {}
+        for name, tensor in tensors.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight" and module in targets:
+                weight = tensor.t() if targets[module].transposed else tensor
+                out.update({name + suffix: stored for suffix, stored in self.quantize(weight).items()})
+            else:
+                out[name] = tensor
+        return out
+
+    def meta_tensors(self, tensors: dict[str, torch.Tensor], targets: dict[str, LinearShape]) -> dict[str, torch.Tensor]:
+        """What quantize_block makes, as meta tensors: the shapes a layout is planned from."""
+        out = {}
+        for name, tensor in tensors.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight" and module in targets:
+                for suffix, (shape, dtype) in self.stored_shapes(targets[module], tensor.dtype).items():
+                    out[name + suffix] = torch.empty(shape, dtype=dtype, device="meta")
+            else:
+                out[name] = tensor
+        return out
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) with weight ~ q * scale[:, None]: rounding to nearest, in fp32, per output row."""
+    rows = weight.float()
+    scale = rows.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+    q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(weight.dtype)
+
+
+def whole_groups(in_features: int, group_size: int) -> int:
+    """The stored width of an int4 weight: in_features rounded up to whole groups."""
+    return -(-in_features // group_size) * group_size
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_zero): q uint8 [out, padded in] in 0..15 and scale_zero [groups, out, 2] in
+    weight's dtype, with weight ~ (q - 8) * scale + zero per group: rounding to nearest, in fp32.
+    A partial last group is filled with copies of its last column, which leave its lowest and
+    highest values, and the grid its values lie on, as they were."""
+    out_features, in_features = weight.shape
+    padding = whole_groups(in_features, group_size) - in_features
+    weight = torch.cat([weight, weight[:, -1:].expand(-1, padding)], dim=1) if padding else weight
+    groups = weight.float().reshape(out_features, -1, group_size)
+    low = groups.amin(dim=-1, keepdim=True)
+    spread = groups.amax(dim=-1, keepdim=True) - low
+    scale = spread / grid_steps(groups, low, spread)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0 at its value
+    q = torch.round((groups - low) / scale).clamp_(0, LEVELS).to(torch.uint8)
+    zero = low + 8 * scale
+    scale_zero = torch.stack([scale, zero], dim=-1).reshape(out_features, -1, 2).transpose(0, 1)
+    return q.reshape(out_features, -1), scale_zero.to(weight.dtype).contiguous()
+
+
+def grid_steps(groups: torch.Tensor, low: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """Per group, the number of steps between its lowest and highest value: LEVELS, unless the
+    group's values already lie on fewer evenly spaced levels (a 4-bit source whose extremes did not
+    both land on its grid's ends), whose spacing is then kept."""
+    steps = torch.full_like(low, LEVELS)
+    distinct = 1 + (groups.sort(dim=-1).values.diff(dim=-1) > 0).sum(dim=-1, keepdim=True)
+    candidates = (distinct <= LEVELS + 1) & (spread > 0)
+    if not candidates.any():
+        return steps
+    values, lows, spreads = groups[candidates.squeeze(-1)], low[candidates], spread[candidates]
+    found = torch.zeros_like(lows, dtype=torch.bool)
+    chosen = torch.full_like(lows, LEVELS)
+    for count in range(LEVELS, 0, -1):  # the finest grid the values fit, as rounding to nearest would pick
+        position = (values - lows[:, None]) / (spreads / count)[:, None]
+        fits = ((position - position.round()).abs() <= GRID_TOLERANCE).all(dim=-1) & ~found
+        chosen = torch.where(fits, torch.full_like(chosen, count), chosen)
+        found |= fits
+    steps[candidates] = chosen
+    return steps
+
+
+def quantizable_linears(model: nn.Module, layers_path: str) -> dict[str, LinearShape]:
+    """The Linear and Conv1D modules inside the decoder layers, by module path."""
+    layers = model.get_submodule(layers_path)
+    found = {}
+    for path, module in layers.named_modules():
+        if (shape := linear_shape(module)) is not None:
+            found[f"{layers_path}.{path}"] = shape
+    return found
+
+
+def linear_shape(module: nn.Module) -> LinearShape | None:
+    """A Linear's or Conv1D's widths; None for any other module."""
+    if isinstance(module, nn.Linear):
+        return LinearShape(module.out_features, module.in_features, transposed=False)
+    if isinstance(module, Conv1D):
+        return LinearShape(module.nf, module.weight.shape[0], transposed=True)
+    return None

@@ -1,0 +1,52 @@
+"""--batch-size auto: the largest batch whose K/V cache and activations fit in the memory the
+weights left, since one pass over the weights serves the whole batch.
+
+    batch = largest_batch(lm, prompt_tokens=[12, 40, 7], max_new_tokens=64)
+
+The estimate is deliberately simple and errs large: K/V for every position of the longest prompt
+plus every new token, and the prefill's activations (the widest moment of a run) with attention
+scores materialised in fp32, as the eager and math attention paths do.
+"""
+
+from __future__ import annotations
+
+import psutil
+
+from zerolite.errors import ZeroliteError
+from zerolite.runtime.kv_cache import kv_bytes_per_token, offloaded_share
+
+MARGIN = 0.10         # of the free memory, kept for the allocator's fragmentation and everything unforeseen
+MAX_BATCH = 4096
+
+
+def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
+    """The largest batch, up to the number of prompts, that fits where the plan runs."""
+    config = lm.model.config.get_text_config(decoder=True)
+    dtype = lm.model.dtype
+    longest = max(prompt_tokens)
+    length = longest + max_new_tokens
+    kv_offload = offloaded_share(lm.config, lm.policy.kv_offload) if lm.policy.kv_offload else 0.0
+    kv = kv_bytes_per_token(config, dtype) * length                      # per sequence
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    activations = longest * (6 * hidden + 3 * intermediate) * dtype.itemsize + config.num_attention_heads * longest * longest * 4
+
+    host_free = psutil.virtual_memory().available * (1 - MARGIN)
+    if lm.device.separate_memory:
+        device_free = lm.device.memory()[0] * (1 - MARGIN)
+        per_sequence_device = kv * (1 - kv_offload) + activations
+        # host K/V buffers grow by doubling and are pinned: up to twice the bytes, as pinning rounds them
+        host_kv = int(2 * kv * kv_offload)
+        per_sequence_host = lm.device.pinned_cost(host_kv) if host_kv else 0
+    else:
+        device_free = host_free
+        per_sequence_device, per_sequence_host = kv + activations, 0.0
+    fits = int(device_free // per_sequence_device)
+    if per_sequence_host:
+        fits = min(fits, int(host_free // per_sequence_host))
+    if fits < 1:
+        raise ZeroliteError(
+            f"not even one sequence of {length} tokens fits: it needs {per_sequence_device / 1e9:.2f} GB and "
+            f"{device_free / 1e9:.2f} GB is free; lower --max-new-tokens, use --kv-offload, or keep fewer blocks resident"
+        )
+    return max(1, min(fits, len(prompt_tokens), MAX_BATCH))

@@ -1,0 +1,208 @@
+"""The K/V cache, partly in host memory: a transformers Cache whose chosen layers keep their keys and
+values on the host between uses (pinned on CUDA), so the batch can grow past device memory.
+
+    cache = PartialOffloadCache(model.config, fraction=0.5, device=zerolite.io.device.resolve("cuda"))
+    model.generate(**batch, cache=cache)
+
+An offloaded layer's K/V are copied to the device one layer ahead of use, on a stream of their
+own, and each step's new keys and values are appended to the host copy in place (its buffer grows
+by doubling) on another, so a step moves the layer's K/V in once and only the new tokens out, and
+neither copy holds up compute (a long prefill's appends would). Each fetch waits only for that
+layer's last appends, not for all the compute queued before it. The attention
+code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+from zerolite.io.device import Device
+
+MIN_TOKENS = 256  # the first host buffer's length: appends then rarely reallocate
+
+
+class HostLayer(DynamicLayer):
+    """One layer's K/V in host memory; update() hands the attention device tensors, as DynamicLayer does.
+
+    The host buffers are sequence-first, (capacity, batch, heads, head_dim), so that both the
+    appended tokens and the prefix fetched each step are contiguous: pinned memory copies them
+    asynchronously, where a strided slice would be staged through pageable memory and block.
+    self.keys and self.values stay [batch, heads, length, head_dim] views of them, as transformers expects.
+    """
+
+    def __init__(self, host: Device, streams):
+        super().__init__()
+        self.host = host              # the zerolite Device: its streams, events and pinned memory
+        # (fetches, appends): the streams the host-to-device and device-to-host copies go on, so
+        # that neither holds up compute; None where memory is shared
+        self.fetches, self.appends = streams or (None, None)
+        self._fetched = None          # (keys, values, ready event) brought to the device ahead of use
+        self._buffers = None          # (keys, values) sequence-first host buffers with room to grow
+        self._appended = None         # event: this layer's last appends have landed in the host buffers
+        self._fetch_done = None       # event: the last fetch has finished reading the host buffers
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.empty((*key_states.shape[:-2], 0, key_states.shape[-1]), dtype=self.dtype)
+        self.values = torch.empty((*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=self.dtype)
+        self.is_initialized = True
+
+    def prefetch(self) -> None:
+        """Starts bringing the K/V to the device (nothing to move where memory is shared)."""
+        if not self.is_initialized or self._fetched is not None:
+            return
+        if not self.host.separate_memory:
+            self._fetched = (self.keys, self.values, None)
+            return
+        length = self.keys.shape[-2]
+        if not self._has_room(length):
+            self._grow(length)  # a reordered or selected batch: back into sequence-first buffers
+        if self._appended is not None:
+            self.host.wait_event(self.fetches, self._appended)  # this layer's last appends have landed
+        keys, values = (self.host.to_device(buffer[:length], self.fetches).permute(1, 2, 0, 3) for buffer in self._buffers)
+        ready = self._fetch_done = self.host.record(self.fetches)
+        self._fetched = (keys, values, ready)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.prefetch()  # a no-op when the cache already fetched this layer one layer ahead
+        keys, values, ready = self._fetched
+        self._fetched = None
+        if ready is not None:
+            compute = self.host.compute_stream()
+            self.host.wait_event(compute, ready)
+            self.host.keep_alive(keys, compute)  # made on the copy stream, used and freed on this one
+            self.host.keep_alive(values, compute)
+        self._append(key_states, value_states)
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        length, extra = self.keys.shape[-2], key_states.shape[-2]
+        if not self._has_room(length + extra):
+            self._grow(length + extra)
+        stream = self.appends or self.host.compute_stream()
+        if self.appends is not None:
+            self.host.wait_stream(self.appends, self.host.compute_stream())  # the new keys and values are computed
+        for buffer, states in zip(self._buffers, (key_states, value_states)):
+            self.host.copy(buffer[length:length + extra], states.permute(2, 0, 1, 3), stream)
+            self.host.keep_alive(states, stream)  # made by compute, read on the appends' stream
+        self._appended = self.host.record(stream)
+        self.keys, self.values = (buffer[:length + extra].permute(1, 2, 0, 3) for buffer in self._buffers)
+
+    def _has_room(self, length: int) -> bool:
+        """Whether the host buffers hold length tokens and self.keys is still a view of their
+        prefix (a crop keeps it one; a batch reorder or selection makes a new tensor)."""
+        if self._buffers is None or self._buffers[0].shape[0] < length:
+            return False
+        view = self._buffers[0][: self.keys.shape[-2]].permute(1, 2, 0, 3)
+        return (self.keys.data_ptr() == view.data_ptr() and self.keys.shape == view.shape
+                and self.keys.stride() == view.stride())
+
+    def _grow(self, length: int) -> None:
+        self.settle()
+        capacity = max(2 * length, MIN_TOKENS)
+        batch, heads, used = self.keys.shape[:3]
+        grown = []
+        for old in (self.keys, self.values):
+            shape = (capacity, batch, heads, old.shape[-1])
+            buffer = self.host.pinned_empty(math.prod(shape) * self.dtype.itemsize).view(self.dtype).view(shape)
+            buffer[:used].copy_(old.permute(2, 0, 1, 3))
+            grown.append(buffer)
+        self._buffers = tuple(grown)
+        self.keys, self.values = (buffer[:used].permute(1, 2, 0, 3) for buffer in grown)
+
+    def settle(self) -> None:
+        """Waits for this layer's appends still on their way to the host, and for a fetch still
+        reading the host buffers, before the host copy is read or replaced there; a fetch not yet
+        used is dropped."""
+        self._fetched = None
+        for event in (self._appended, self._fetch_done):
+            if event is not None:
+                event.synchronize()
+
+    def reset(self) -> None:
+        self.settle()
+        self._buffers = None
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.settle()
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.settle()
+        super().reorder_cache(beam_idx.cpu())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.settle()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.settle()
+        super().batch_select_indices(indices.cpu())
+
+
+class PartialOffloadCache(DynamicCache):
+    """A DynamicCache with a fraction of its full-attention layers in host memory, spread evenly."""
+
+    def __init__(self, config: PretrainedConfig, fraction: float, device: Device, streams=None):
+        """streams: (fetches, appends), the streams the K/V copies go on (new ones if not given); an
+        executor keeps one pair for all its caches, since devices hand out streams from a small pool."""
+        super().__init__(config=config)
+        if device.separate_memory and streams is None:
+            streams = (device.new_stream(), device.new_stream())
+        for i in host_layers(self.layers, fraction):
+            self.layers[i] = HostLayer(device, streams)
+
+    def settle(self) -> None:
+        """Waits for the appends and fetches still in flight: before the host buffers are freed
+        (unpinned and unmapped), nothing may still copy into or out of them."""
+        for layer in self.layers:
+            if isinstance(layer, HostLayer):
+                layer.settle()
+
+    @property
+    def offloaded(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, HostLayer)]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # One layer ahead, its copy running while this layer's attention does. Not past the last
+        # layer: a fetch for a step that may never come would outlive generate.
+        following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
+        if isinstance(following, HostLayer):
+            following.prefetch()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def host_layers(layers: list, fraction: float) -> list[int]:
+    """Which layers' K/V live in host memory: that share of the full-attention ones, spread evenly
+    (sliding-window and linear-attention layers keep their small caches on the device)."""
+    eligible = [i for i, layer in enumerate(layers) if type(layer) is DynamicLayer]
+    return spread(eligible, math.ceil(fraction * len(eligible) - 1e-9))
+
+
+def offloaded_share(config: PretrainedConfig, fraction: float) -> float:
+    """The share of all layers whose K/V a PartialOffloadCache of this fraction keeps on the host."""
+    layers = DynamicCache(config=config).layers
+    return len(host_layers(layers, fraction)) / len(layers) if layers else 0.0
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    """Bytes of K/V one token adds to the cache, over all layers."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def spread(items: list, count: int) -> list:
+    """count of items, evenly spaced over the list (all of them when count reaches its length):
+    each offloaded layer then follows one that is not, whose attention hides its copy."""
+    count = max(min(count, len(items)), 0)
+    return [items[(2 * j + 1) * len(items) // (2 * count)] for j in range(count)]

@@ -1,0 +1,73 @@
+"""Where each block lives while the model runs: a pure value, computed from the policy, the budgets
+and the layout.
+
+Three tiers, fastest first. Resident blocks are bound once and stay on the device. The other
+layers stream through the ring of slots every forward, from host memory (pinned on a GPU) when the
+host budget holds them, else from the layout on disk.
+
+Faster tiers take the first layers, so the layers read from disk are one contiguous stretch of the
+layout, read in order at every step: readahead and caches below the engine serve that best, and
+virtual disks can read a strided half of a layout far slower than the whole. The disk does not idle meanwhile: the executor reads ahead counting only blocks that need a transfer,
+so the next disk layers are on their way while the layers held in memory compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerolite.runtime.budget import Budgets
+from zerolite.layout.manifest import Manifest
+from zerolite.runtime.policy import Policy
+
+
+@dataclass(frozen=True)
+class Plan:
+    resident: tuple[str, ...]   # bound once, on the device
+    streamed: tuple[str, ...]   # through the slots, in layer order
+    on_disk: tuple[str, ...]    # the streamed blocks read from the layout at every forward
+    expert_cache: int = 0       # bytes of host memory keeping experts read from disk across steps
+
+    @classmethod
+    def make(cls, manifest: Manifest, policy: Policy, budgets: Budgets, host_cost=lambda nbytes: nbytes,
+             ranks_here: int = 1) -> Plan:
+        """The embeddings, the head and the final norm run at every step and are small beside the
+        layers: always resident. Layers go to the device while its budget lasts, then (with
+        --offload nvme) to host memory while that budget lasts; the rest stay on disk.
+
+        host_cost(nbytes) is the host memory a layer of nbytes really takes there (pinned memory
+        is rounded: Device.pinned_cost). ranks_here share the node's layers in host memory, but
+        each keeps experts of its own: the expert cache is split between them."""
+        names = [block.name for block in manifest.blocks]
+        if policy.offload == "none":
+            return cls(tuple(names), (), ())
+        layers = list(manifest.layer_names)
+        always = [name for name in names if name not in layers]
+        widest = max((manifest.block(name).length for name in layers), default=1)
+
+        on_device_room = budgets.device - manifest.nbytes(always)
+        on_device = layers[: max(on_device_room // widest, 0)]
+        rest = layers[len(on_device):]
+        in_memory = rest if policy.offload == "cpu" else rest[: budgets.host // host_cost(widest)]
+        resident = tuple(name for name in names if name in always or name in on_device)
+        on_disk = tuple(rest[len(in_memory):])
+        # What the layers held whole leave of the host budget keeps experts read from disk instead.
+        routed = policy.experts == "routed" and any(manifest.block(name).experts for name in on_disk)
+        cache = (budgets.host - len(in_memory) * host_cost(widest)) // ranks_here if routed else 0
+        return cls(resident, tuple(rest), on_disk, max(cache, 0))
+
+    @property
+    def in_memory(self) -> tuple[str, ...]:
+        """The streamed blocks whose home is host memory."""
+        return tuple(name for name in self.streamed if name not in self.on_disk)
+
+    def in_host(self, separate_memory: bool) -> tuple[str, ...]:
+        """The blocks whose bytes host memory holds while the model runs: the layers kept there
+        and, where host memory is the device's, the resident blocks too. A node's ranks share one
+        copy of them (zerolite.dist.node_copy)."""
+        return self.in_memory + (() if separate_memory else self.resident)
+
+    @property
+    def loaded(self) -> tuple[str, ...]:
+        """Blocks read while loading: the resident ones and those held in host memory."""
+        return self.resident + self.in_memory
+

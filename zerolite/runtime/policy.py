@@ -1,0 +1,75 @@
+"""What the user asked for: where the weights live, where they run, and how far ahead to read.
+
+A Policy is a plain frozen value, checked once when it is made; everything downstream trusts it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from zerolite.io.device import Device, cuda_available, resolve
+from zerolite.errors import ZeroliteError
+
+OFFLOAD_CHOICES = ("nvme", "cpu", "none")
+EXPERTS_CHOICES = ("routed", "whole")
+
+
+@dataclass(frozen=True)
+class Policy:
+    offload: str = "nvme"              # "nvme": stream blocks from the layout on disk; "cpu": hold them in
+                                       # host memory (pinned on CUDA); "none": every block resident
+    device: object = "auto"            # "cuda", "cuda:N", "cpu", "auto" (cuda when available), or a
+                                       # zerolite.io.device.Device (the tests' simulated one)
+    prefetch_depth: int = 2            # slots in the ring: 1 reads then computes, 2 reads block i+1
+                                       # while block i computes (double buffering), n reads n-1 ahead
+    io_backend: str = "auto"           # the engine's backend: "io_uring", "pread" or "auto"
+    io_queue_depth: int = 32           # engine reads in flight
+    io_chunk_bytes: int = 1 << 20      # size of each engine read
+    gpu_memory: int | None = None      # bytes of blocks kept resident on the GPU; None: what is free, less headroom
+    cpu_memory: int | None = None      # bytes of layers kept in host memory (--offload nvme); None: likewise
+    kv_offload: float = 0.0            # fraction of the layers whose K/V cache lives in host memory
+    experts: str = "routed"            # a mixture of experts' layers: "routed" moves only the experts the
+                                       # router picks, "whole" every expert, as a dense layer streams
+
+    def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ZeroliteError(f"unknown --offload {self.offload!r}: choose one of {', '.join(OFFLOAD_CHOICES)}")
+        if isinstance(self.device, str):
+            if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]+", self.device):
+                raise ZeroliteError(f"unknown --device {self.device!r}: choose cuda, cuda:N, cpu or auto")
+            if self.device.startswith("cuda") and not cuda_available():
+                raise ZeroliteError(
+                    f"--device {self.device} asked for, but this machine has no usable CUDA device "
+                    "(PyTorch sees no CUDA device): use --device cpu"
+                )
+        if self.experts not in EXPERTS_CHOICES:
+            raise ZeroliteError(f"unknown --experts {self.experts!r}: choose one of {', '.join(EXPERTS_CHOICES)}")
+        if self.prefetch_depth < 1:
+            raise ZeroliteError(f"--prefetch-depth must be at least 1, got {self.prefetch_depth}")
+        for flag, budget in (("--gpu-memory", self.gpu_memory), ("--cpu-memory", self.cpu_memory)):
+            if budget is not None and budget < 0:
+                raise ZeroliteError(f"{flag} must not be negative, got {budget} bytes")
+        if not 0.0 <= self.kv_offload <= 1.0:
+            raise ZeroliteError(f"--kv-offload is the fraction of layers whose K/V cache lives in host memory: "
+                                f"give a number from 0 to 1, not {self.kv_offload}")
+
+    def target(self) -> Device:
+        """The Device the policy runs on."""
+        return resolve(self.device)
+
+
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """A memory budget such as "24GB", "1.5GiB" or "0" (no unit needed for nothing) in bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match and match[2].lower() in SIZE_UNITS:
+        return int(float(match[1]) * SIZE_UNITS[match[2].lower()])
+    if match and not match[2] and float(match[1]) == 0:
+        return 0
+    raise ZeroliteError(f"{flag} {text!r} is not a size: write it with a unit, as in 24GB, 1.5GiB or 512MB (or 0)")
+
+
