@@ -58,6 +58,7 @@ from rich.table import Table
 from bench_cgroup import MemoryCgroup, parse_limit
 from bench_gguf import gguf_folder, make_gguf
 from bench_io import fio_gbps
+from models import make_model
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.folder import Layout
@@ -86,23 +87,6 @@ def scheme_of(name: str) -> str | None:
     """The quantized scheme a contender runs, or None for the layout's dtype."""
     suffix = name.rpartition("-")[2]
     return suffix if suffix in QUANTIZED else None
-
-
-def make_model(source: Path, layout: Path, quantized_layouts: dict[str, Path]) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from zerolite.convert.writer import convert
-
-    if not (source / "config.json").is_file():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**BENCH_CONFIG)).to(torch.bfloat16)
-        model.save_pretrained(source)
-    if not (layout / "manifest.json").is_file():
-        convert(str(source), layout)
-    for scheme, folder in quantized_layouts.items():
-        if not (folder / "manifest.json").is_file():
-            convert(str(source), folder, **QUANTIZED[scheme])
 
 
 def at_least_one(text: str) -> int:
@@ -191,7 +175,8 @@ def main() -> None:
         setattr(args, f"{scheme}_layout", folder)
     console = Console(width=None if sys.stdout.isatty() else 200)  # the table stays whole in a log
     if args.make_model:
-        make_model(Path(args.source), Path(args.layout), {scheme: Path(getattr(args, f"{scheme}_layout")) for scheme in QUANTIZED})
+        quantized_layouts = {Path(getattr(args, f"{scheme}_layout")): convert_args for scheme, convert_args in QUANTIZED.items()}
+        make_model(Path(args.source), "llama", BENCH_CONFIG, {Path(args.layout): {}, **quantized_layouts})
 
     layout = Layout.open(args.layout)
     manifest = layout.manifest

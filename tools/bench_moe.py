@@ -40,17 +40,21 @@ import json
 import statistics
 import subprocess
 import sys
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import zerolite  # first: it sets torch's thread waits before torch loads (zerolite.openmp)
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers.generation.streamers import BaseStreamer
 
-from zerolite.moe.experts import find_experts
+from models import make_model
+from zerolite.generate.run import StepClock
+from zerolite.io.engine import IoEngine
 from zerolite.layout.folder import Layout
+from zerolite.layout.manifest import BlockEntry
+from zerolite.layout.read_pass import read_pass
+from zerolite.moe.experts import find_experts
 from zerolite.profile.machine import drop_page_cache
 
 MODEL_CONFIG = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=10, num_attention_heads=8,
@@ -59,40 +63,26 @@ MODEL_CONFIG = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=
 PROMPT_TOKENS = 16
 
 
-def make_model(source: Path, layout: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from zerolite.convert.writer import convert
-
-    if not (source / "config.json").is_file():
-        torch.manual_seed(0)
-        config = AutoConfig.for_model("mixtral", **MODEL_CONFIG)
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(source)
-    if not (layout / "manifest.json").is_file():
-        convert(str(source), layout)
-
-
-class StepMeter(BaseStreamer):
-    """At every token generate puts out: the bytes read and the experts routed since the last one."""
+class StepMeter(StepClock):
+    """generate's step clock, noting at every step the bytes read and the experts routed since the step before."""
 
     def __init__(self, lm, routed: list[set[int]]):
+        super().__init__(self.note)
         self.lm, self.routed = lm, routed
         self.steps: list[dict] = []
-        self._last = None
+        # Counted from here, before generate: only the first step (the prefill, left out) differs from
+        # counting from the prompt's put, which the clock does not hand on.
+        self._last = (lm.bytes_read, lm.expert_counts())
 
-    def put(self, value) -> None:
-        now = {"t": time.perf_counter(), "bytes": self.lm.bytes_read, "experts": self.lm.expert_counts()}
-        if self._last is not None:
-            self.steps.append({"s": now["t"] - self._last["t"], "bytes": now["bytes"] - self._last["bytes"],
-                               "expert_bytes": now["experts"].expert_bytes - self._last["experts"].expert_bytes,
-                               "early_unused": now["experts"].early_unused - self._last["experts"].early_unused,
-                               "routed": [sorted(layer) for layer in self.routed]})
+    def note(self, tokens: int) -> None:
+        bytes_read, experts = self.lm.bytes_read, self.lm.expert_counts()
+        last_bytes, last_experts = self._last
+        step = experts.since(last_experts)
+        self.steps.append({"bytes": bytes_read - last_bytes, "expert_bytes": step.expert_bytes,
+                           "early_unused": step.early_unused, "routed": [sorted(layer) for layer in self.routed]})
         for layer in self.routed:
             layer.clear()
-        self._last = now
-
-    def end(self) -> None:
-        pass
+        self._last = bytes_read, experts
 
 
 def run_one(layout: str, experts: str, batch_size: int, new_tokens: int) -> dict:
@@ -115,6 +105,7 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int) -> dict
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=meter)
         counts = lm.expert_counts().since(before)
         decode = meter.steps[1:]  # the first is the prefill
+        step_s = [b - a for a, b in zip(meter.times[1:], meter.times[2:])]
         blocks = [manifest.block(name) for name in manifest.layer_names]
         area = blocks[0].experts
         dense = sum(b.dense_length if b.experts else b.length for b in blocks)
@@ -122,8 +113,8 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int) -> dict
         return {
             "experts": experts, "batch_size": batch_size, "new_tokens": new_tokens,
             "tokens": out[:, PROMPT_TOKENS:].tolist(),
-            "decode_tokens_per_s": batch_size * len(decode) / sum(s["s"] for s in decode),
-            "step_s": [round(s["s"], 4) for s in decode],
+            "decode_tokens_per_s": meter.decode_tokens / meter.decode_s,
+            "step_s": [round(s, 4) for s in step_s],
             "bytes_per_step": [s["bytes"] for s in decode],
             "expert_bytes_per_step": [s["expert_bytes"] for s in decode],
             # what the routing says a step should read when it reads only the routed experts
@@ -143,31 +134,30 @@ def read_only_pass(layout: Layout, steps: list[list[list[int]]] | None, count: i
     """Seconds our engine takes to read, cold and with no compute, what count decode steps read:
     every layer whole, or (steps given) each layer's dense part and the experts its router picked,
     in the order a step reads them. The bound each mode's steps are held to on this disk."""
-    from zerolite.io.engine import IoEngine, aligned_empty
-
-    manifest = layout.manifest
-    blocks = [manifest.block(name) for name in manifest.layer_names]
-    extents = []
-    for step in range(count):
-        for index, block in enumerate(blocks):
-            if steps is None:
-                extents.append((block.offset, block.length))
-                continue
-            extents.append((block.offset, block.dense_length))
-            extents += [(block.offset + start, length)
-                        for start, length in map(block.experts.extent, steps[step][index])]
-    engine = IoEngine("auto", 32, 1 << 20)
-    buffers = [aligned_empty(max(length for _, length in extents)) for _ in range(8)]
+    names = list(layout.manifest.layer_names) * count
+    if steps is not None:
+        layout, names = routed_parts(layout, steps[:count])
     drop_page_cache()
-    started = time.perf_counter()
-    tickets = []
-    for number, (offset, length) in enumerate(extents):
-        if len(tickets) == len(buffers):  # a ring of buffers, as the slots are
-            engine.wait(tickets.pop(0))
-        tickets.append(engine.submit(layout.data_path, buffers[number % len(buffers)][:length], offset))
-    for ticket in tickets:
-        engine.wait(ticket)
-    return time.perf_counter() - started
+    # Every step's reads as one pass through a ring of 8 buffers, on an engine 32 requests of 1 MiB deep.
+    return read_pass(layout, names, passes=1, engine=IoEngine("auto", 32, 1 << 20), depth=8)["pass_s"][0]
+
+
+def routed_parts(layout: Layout, steps: list[list[list[int]]]) -> tuple[Layout, list[str]]:
+    """The layout as read_pass sees it when each layer's dense part and each of its experts is a
+    block of its own (it reads whole blocks), and the parts the steps read, in order."""
+    parts: dict[str, BlockEntry] = {}
+    names = []
+    for step in steps:
+        for block, experts in zip(map(layout.manifest.block, layout.manifest.layer_names), step):
+            dense = f"{block.name}.dense"
+            parts[dense] = BlockEntry(dense, block.offset, block.dense_length, block.experts.dense_crc32, ())
+            names.append(dense)
+            for expert in experts:
+                start, length = block.experts.extent(expert)
+                name = f"{block.name}.expert{expert}"
+                parts[name] = BlockEntry(name, block.offset + start, length, block.experts.crc32s[expert], ())
+                names.append(name)
+    return Layout(layout.folder, replace(layout.manifest, blocks=tuple(parts.values()))), names
 
 
 def measured(args, experts: str, batch_size: int) -> dict:
@@ -197,7 +187,7 @@ def main() -> None:
         print(json.dumps(run_one(str(args.layout), args.run, sizes[0], args.new_tokens)))
         return
     if args.make_model:
-        make_model(args.source, args.layout)
+        make_model(args.source, "mixtral", MODEL_CONFIG, {args.layout: {}})
     layout = Layout.open(args.layout)
 
     results = []
