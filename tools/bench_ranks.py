@@ -25,6 +25,8 @@ from pathlib import Path
 
 import psutil
 
+from zerolite.layout.folder import Layout
+
 PER_RANK_TARGET = 0.6e9
 
 
@@ -119,8 +121,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    manifest = json.loads((Path(args.model) / "manifest.json").read_text())
-    copy = sum(block["length"] for block in manifest["blocks"])
+    copy = Layout.open(args.model).manifest.data_bytes  # every block: --offload cpu holds them all in host memory
     with tempfile.TemporaryDirectory() as folder:
         prompts = Path(folder, "prompts.jsonl")
         prompts.write_text("".join(json.dumps({"id": i, "input_ids": [1, 100 + i, 200 + i, 300 + i]}) + "\n"

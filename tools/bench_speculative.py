@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from zerolite.convert.resolve import ensure_layout
 from zerolite.lm import load_draft
 from zerolite.generate.run import encode
 from zerolite.generate.prompts import Prompt
+from zerolite.profile.machine import drop_page_cache
 
 NEAR_TIE = 1e-4
 QUESTIONS = [
@@ -114,14 +114,6 @@ def zerolite_vocab(layout: Path) -> int:
     return AutoConfig.from_pretrained(layout).get_text_config().vocab_size
 
 
-def drop_caches() -> None:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        print("bench_speculative: cannot drop the page cache (not root): reads may come from memory", file=sys.stderr)
-
-
 def run(layout: Path, prompts: Path, chat: bool, new_tokens: int, draft: str | None, group_size: int | None,
         out: Path) -> dict:
     out.mkdir()
@@ -130,7 +122,8 @@ def run(layout: Path, prompts: Path, chat: bool, new_tokens: int, draft: str | N
                "--batch-size", "1", "--max-new-tokens", str(new_tokens)] + (["--chat"] if chat else [])
     if draft is not None:
         command += ["--draft", draft] + (["--draft-group-size", str(group_size)] if group_size else [])
-    drop_caches()
+    if not drop_page_cache():
+        print("bench_speculative: cannot drop the page cache (not root): reads may come from memory", file=sys.stderr)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"bench_speculative: {' '.join(command)} failed:\n{done.stderr}")
