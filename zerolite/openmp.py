@@ -3,9 +3,8 @@
 By default OpenMP's threads spin for a while after each parallel region, waiting for the next one.
 A decode step runs hundreds of short regions, so on a machine with few cores they spin nearly all
 the time, and the I/O engine's threads, which finish the reads the next layers need, get no core:
-on the 2-core test machines, an int4 layer stream took 2.1 s per step with spinning threads
-against 0.20 s with waiting ones (the read-only pass took 0.23 s). Threads that sleep while they
-wait cost a few percent of compute where nothing is streamed, and keep a streamed step steady.
+a streamed step then takes many times what its reads alone would. Threads that sleep while they
+wait cost a little compute where nothing is streamed, and keep a streamed step near its reads' time.
 
 libgomp reads OMP_WAIT_POLICY once, when torch loads it, so zerolite sets it on import, before
 torch, unless the user chose a policy; a program that imported torch first keeps torch's threads as

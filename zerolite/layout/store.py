@@ -1,10 +1,11 @@
 """Where each block's bytes live between uses: in the layout on disk, or in host memory.
 
-    disk = DiskStore(layout, engine)            # submit(name, buffer) -> ticket; poll / wait
-    ram = MemoryStore.load(disk, names, device) # each block read once into host memory (pinned on a GPU)
+    disk = DiskStore(layout, engine)            # submit(name, buffer, start=0, length=None) -> ticket; poll / wait
+    ram = MemoryStore.load(disk, names, device.pinned_empty)  # each block read once into host memory
+                                                # from allocate(nbytes), here pinned on a GPU
     ram.bytes_of("layers.3")                    # the block's bytes, ready to copy or bind
 
-Both hand out raw block bytes; turning them into tensors is layout.tensor_views' job.
+Both hand out raw block bytes; turning them into tensors is zerolite.layout.folder.tensor_views' job.
 """
 
 from __future__ import annotations

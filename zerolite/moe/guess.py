@@ -35,9 +35,8 @@ from zerolite.layout.store import DiskStore
 
 # A right guess takes its expert's read out of the wait after the router; a wrong one costs a read
 # the disk mostly does while the layer computes, time it would otherwise idle (a disk-bound step
-# pays for it in full). From one right in two, guessing gains. (On the benchmark's random-router
-# mixture, first choices are right about 2/3 of the time and second ones 2/5: only first choices
-# are read early, and a step reads about 1.15x what it uses.)
+# pays for it in full). From one right in two, guessing gains; a rank right less often than that
+# (second choices often are) is left to the router, so that a step reads little beyond what it uses.
 RELIABLE = 0.5
 MEMORY = 1 / 16  # weight of the newest guess in a rank's running record
 

@@ -12,8 +12,8 @@ decoding ones pad it), which can make the step compute-bound, and then every oth
 for it. The shortest recent step stands for the reads' time. Of the steps that used at least half
 the budget: one well over the reads' time was set by its compute, and the budget drops to the
 tokens that would have fit; one that took no longer than the reads lets it grow. On a GPU the budget climbs to its ceiling (whole
-prompts join in one step); on a CPU it settles where the compute meets the disk (for a 1.9 GB bf16
-model on 2 cores, about a hundred tokens).
+prompts join in one step); on a CPU it settles where the compute meets the disk: the fewer tokens,
+the faster the disk or the slower the cores.
 """
 
 from __future__ import annotations

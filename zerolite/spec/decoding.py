@@ -197,9 +197,8 @@ def guess(draft: Forwards, logits_processor, input_ids: torch.Tensor, k: int, sa
 @contextmanager
 def one_thread():
     """The draft computes on one CPU thread. Its ops are small, and torch's other threads, which
-    sleep between them (zerolite.openmp), cost more to wake than they save: a guess of the built-in
-    model's int4 draft took 44 ms on two threads, 35 ms on one. The other core reads the model's
-    next layers meanwhile."""
+    sleep between them (zerolite.openmp), cost more to wake than they save. The other cores read
+    the model's next layers meanwhile."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
