@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import pytest
 
-from zerolite.cli import app as cli
+from zerolite.cli import main as cli
 
 Result = namedtuple("Result", "code stdout stderr")
 

@@ -161,3 +161,28 @@ def readme_rooms() -> list[str]:
 def test_the_readme_layout_is_the_tree():
     rooms = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
     assert sorted(readme_rooms()) == rooms
+
+
+def zerolite_imports() -> set[tuple[str, str]]:
+    """Every (module, name) of a `from zerolite... import name` in zerolite/, tests/ and tools/."""
+    found = set()
+    for folder in ("zerolite", "tests", "tools"):
+        for path in (PACKAGE.parent / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("zerolite"):
+                    found |= {(node.module, alias.name) for alias in node.names}
+    return found
+
+
+def test_every_name_imported_from_zerolite_is_there():
+    """After a move, a stale import in a lazily imported function or a tool would only fail when
+    that path runs: here each one is imported."""
+    import importlib
+
+    missing = []
+    for module, name in sorted(zerolite_imports()):
+        target = importlib.import_module(module)
+        is_package = hasattr(target, "__path__")
+        if not hasattr(target, name) and not (is_package and importlib.util.find_spec(f"{module}.{name}")):
+            missing.append(f"from {module} import {name}")
+    assert missing == []

@@ -92,8 +92,8 @@ def test_sizes_parse(text, expected):
 
 @pytest.mark.parametrize("text", ["20", "lots", "-1GB", "3 parsecs", ""])
 def test_bad_sizes_are_refused(text):
-    with pytest.raises(ZeroliteError, match="--cpu-memory"):
-        parse_size(text, "--cpu-memory")
+    with pytest.raises(ZeroliteError, match="`cpu_memory`"):
+        parse_size(text, "`cpu_memory`")
 
 
 def test_the_plan_is_printed_before_the_run(capsys, monkeypatch, tmp_path, layout):

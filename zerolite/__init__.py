@@ -13,7 +13,7 @@ prefer_passive_waits()  # before anything loads torch: see zerolite/openmp.py
 __version__ = "0.1.0"
 
 __all__ = ["load", "OffloadedLM", "generate_file", "Sampling"]
-HOMES = {"load": "lm", "OffloadedLM": "lm", "generate_file": "generate.job", "Sampling": "generate.run"}
+HOMES = {"load": "lm", "OffloadedLM": "lm", "generate_file": "generate.job", "Sampling": "sampling"}
 
 
 def __getattr__(name: str):

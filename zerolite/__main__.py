@@ -1,5 +1,5 @@
-"""python -m zerolite: the command line (zerolite.cli.app)."""
+"""python -m zerolite: the command line (zerolite.cli.main)."""
 
-from zerolite.cli.app import main
+from zerolite.cli.main import main
 
 main()

@@ -11,4 +11,8 @@ def describe(error: BaseException) -> str:
 
 
 class ZeroliteError(Exception):
-    """Bad input or a damaged file: `str(error)` is one line naming the problem and the fix."""
+    """Bad input or a damaged file: `str(error)` is one line naming the problem and the fix.
+
+    The line names the API's parameters as the library calls them, in backquotes
+    (`max_new_tokens`); a front end words them as its own (the CLI: --max-new-tokens).
+    """

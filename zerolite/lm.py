@@ -11,31 +11,27 @@ import copy
 import dataclasses
 import functools
 import os
-import sys
 import time
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, DynamicCache
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
-from zerolite.runtime.budget import Budgets
-from zerolite.convert.writer import choose_dtype
-from zerolite.io.device import Device, cuda_available, cuda_device_count, resolve
+from zerolite.io.device import Device
 from zerolite.spec.draft import (SELF_DRAFTS, check_draft_fits, check_same_vocabulary, draft_layout, draft_step_s,
                             quantize_head, ring_depth)
 from zerolite.convert.resolve import ensure_layout
 from zerolite.errors import ZeroliteError
 from zerolite.hf import load_tokenizer, quiet_transformers
 from zerolite.runtime.executor import Executor
+from zerolite.runtime.loader import build_executor, open_layout, rank_device
 from zerolite.moe.counts import ExpertCounts
 from zerolite.io.engine import IoEngine
 from zerolite.runtime.kv_cache import PartialOffloadCache
 from zerolite.layout.folder import Layout
-from zerolite.layout.manifest import DTYPES
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy, parse_size
-from zerolite.runtime.preflight import preflight
-from zerolite.progress import byte_progress
+from zerolite.text import check_token_ids
 from zerolite.spec.decoding import Speculator, speculative_decoding
 from zerolite.runtime.timeline import NO_TIMELINE, Timeline
 from zerolite.dist.world import SINGLE, World
@@ -106,6 +102,23 @@ class OffloadedLM:
         """How fast the disk read while loading: the plan's bound uses it."""
         return self.executor.load_read_gbps
 
+    @property
+    def per_expert(self) -> frozenset[str]:
+        """The streamed layers whose experts are read apart, only those the router picks."""
+        return self.executor.per_expert
+
+    def new_cache(self):
+        """The cache generate would make: with kv_offload, that share of the layers' K/V in host memory."""
+        fraction = self.policy.kv_offload
+        if fraction > 0:
+            return PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_streams)
+        return DynamicCache(config=self.model.config.get_text_config(decoder=True))
+
+    def recover(self) -> None:
+        """After a forward that raised half-way: what was running unbound and its slots freed, so
+        that the next forward starts clean."""
+        self.executor.recover()
+
     def settle(self) -> None:
         """Waits for the reads ahead still in flight (a profile puts them on its timeline too)."""
         self.executor.slots.drain()
@@ -119,7 +132,7 @@ class OffloadedLM:
         if self.draft is not None:
             if isinstance(input_ids, torch.Tensor) and input_ids.shape[0] > 1:
                 raise ZeroliteError(f"speculative decoding runs at batch 1, and this batch has {input_ids.shape[0]} "
-                                    "prompts: give them one at a time, or leave out --draft to batch them")
+                                    "prompts: give them one at a time, or leave out `draft` to batch them")
             asked = kwargs.get("generation_config") or self.model.generation_config
             beams = kwargs.get("num_beams", asked.num_beams) or 1  # transformers 5 leaves unset fields None
             if beams > 1 or kwargs.get("return_dict_in_generate", asked.return_dict_in_generate):
@@ -140,13 +153,13 @@ class OffloadedLM:
             config.disable_compile = True
             if offload_kv:
                 config.cache_implementation = None
-        cache = PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_streams) if offload_kv else None
+        cache = self.new_cache() if offload_kv else None
         if cache is not None:
             kwargs["cache"] = cache
         try:
             return self.model.generate(*args, **kwargs)
         except BaseException:
-            self.executor.recover()
+            self.recover()
             raise
         finally:
             if cache is not None:
@@ -162,19 +175,6 @@ class OffloadedLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def check_token_ids(config, input_ids) -> None:
-    """An id past the vocabulary is checked here, on the host: on a GPU it would be a device-side
-    assert, which poisons the CUDA context, and the recovery would then raise a second error that
-    hides the first."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.numel() == 0:
-        return
-    vocab = config.get_text_config().vocab_size
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab:
-        bad = high if high >= vocab else low
-        raise ZeroliteError(f"input_ids hold token id {bad}, but the model's vocabulary has ids 0 to {vocab - 1}: check the prompt's ids")
 
 
 def given_cache(kwargs: dict):
@@ -232,7 +232,7 @@ def load(
     show_progress = show_progress and world.leads
     for budget in ("gpu_memory", "cpu_memory"):
         if isinstance(policy.get(budget), str):
-            policy[budget] = parse_size(policy[budget], "--" + budget.replace("_", "-"))
+            policy[budget] = parse_size(policy[budget], f"`{budget}`")
     policy = world.each(lambda: Policy(offload=offload, device=device, **policy), "checking the arguments")
     started = time.perf_counter()
     # The node's first rank converts (if need be) before the others open what it wrote.
@@ -247,71 +247,31 @@ def load(
     try:
         def prepare() -> None:
             nonlocal layout, target, tokenizer
-            layout = Layout.open(layout_folder)
-            if dtype is not None and DTYPES[layout.manifest.dtype] != choose_dtype(dtype, None):
-                raise ZeroliteError(
-                    f"layout {layout_folder} holds {layout.manifest.dtype} weights, not {dtype}: "
-                    f"convert into another --path with --dtype {dtype}"
-                )
+            layout = open_layout(layout_folder, dtype, policy)
             target = rank_device(policy, world)
             if world.distributed:  # what transformers allocates on "cuda" lands on this rank's GPU, not GPU 0
                 target.adopt_thread()
             tokenizer = load_tokenizer(layout_folder)
 
-        def budget() -> Budgets:
-            nonlocal draft_lm, guess_s, policy
-            # The draft first: it is held whole, and the model's default budgets then see what it left.
-            if draft is not None:
-                draft_lm = load_draft(str(draft), draft_group_size, layout, tokenizer, target, show_progress)
-                guess_s = draft_step_s(draft_lm)
-                policy = dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
-            return Budgets.make(layout.manifest, policy, target, world.local_size)
+        def draft_first() -> Policy:
+            """The draft is held whole: loaded before the budgets, with a ring deep enough to read
+            on while it guesses."""
+            nonlocal draft_lm, guess_s
+            draft_lm = load_draft(str(draft), draft_group_size, layout, tokenizer, target, show_progress)
+            guess_s = draft_step_s(draft_lm)
+            return dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
 
         world.each(prepare, "opening the layout")
         if draft is not None:  # the node's first rank makes a self-draft's layout, as it converted the model's
             world.each(lambda: draft_layout(str(draft), layout, draft_group_size, show_progress)
                        if world.local_rank == 0 else None, "making the draft")
-        prepared = world.together(budget, "loading")
-        # One plan for every rank: the node's host copy holds the same layers for all of them.
-        budgets = Budgets(min(b.device for b in prepared), min(b.host for b in prepared))
-        plan = Plan.make(layout.manifest, policy, budgets, target.pinned_cost, world.local_size)
-        warnings = world.each(lambda: preflight(layout, plan, policy, target, world.local_size), "checking memory")
-        for warning in warnings if world.leads else ():
-            print(f"zerolite: warning: {warning}", file=sys.stderr)
-
-        def execute() -> None:
-            nonlocal executor
-            loaded = [layout.manifest.block(name) for name in plan.loaded]
-            with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
-                executor = Executor(layout, policy, plan, target, progress, timeline or NO_TIMELINE, world)
-
-        world.each(execute, "loading")
-        if executor.experts_note and world.leads:
-            print(f"zerolite: {executor.experts_note}", file=sys.stderr)
+        executor = build_executor(layout, policy, target, world, show_progress, timeline or NO_TIMELINE,
+                                  draft_first if draft is not None else None)
     except BaseException:
-        if executor is not None:
-            executor.close()
         if draft_lm is not None:
             draft_lm.close()
         raise
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s, world)
-
-
-def rank_device(policy: Policy, world: World) -> Device:
-    """The policy's device, each rank on its own GPU under torchrun: cuda is LOCAL_RANK's."""
-    spec = policy.device
-    if not isinstance(spec, str) or spec == "cpu" or world.local_size == 1:
-        return policy.target()
-    if spec.startswith("cuda:"):
-        raise ZeroliteError(f"--device {spec} would put the {world.local_size} ranks of a node on one GPU: give --device "
-                            "cuda, and each rank takes the GPU of its LOCAL_RANK")
-    if spec == "auto" and not cuda_available():
-        return policy.target()
-    count = cuda_device_count()
-    if world.local_rank >= count:
-        raise ZeroliteError(f"{world.local_size} ranks on this node but {count} GPU{'s' if count != 1 else ''}: give "
-                            f"torchrun --nproc-per-node {count} or less")
-    return resolve(f"cuda:{world.local_rank}")
 
 
 def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,

@@ -1,12 +1,23 @@
 """The plan in words, printed before a run: which blocks live where, the K/V cache's split, the
 bytes a step streams and what that costs at the speed the disk read while loading.
 
-    for line in summarize(lm, batch_size=16, tokens=80): print(line)
+    show_plan(lm, batch_size=16, tokens=80)     # on stderr, dimmed
+    for line in summarize(lm, batch_size=16, tokens=80): ...
 """
 
 from __future__ import annotations
 
+from zerolite.progress import stderr
 from zerolite.runtime.kv_cache import kv_bytes_per_token, offloaded_share
+
+
+def show_plan(lm, batch_size: int, tokens: int, chosen: bool = False) -> None:
+    """Where every block and the K/V cache live, and what a step must move, before anything runs."""
+    lines = summarize(lm, batch_size, tokens)
+    if chosen:
+        lines.append(f"batch size: {batch_size} (auto: the largest that fits)")
+    for line in lines:
+        stderr.print(f"[dim]{line}[/dim]", highlight=False, soft_wrap=True)
 
 
 def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> list[str]:
@@ -21,7 +32,7 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     if plan.on_disk:
         tiers.append(f"{len(plan.on_disk)} layers streamed from disk ({size(plan.on_disk)} per step: {layer_list(plan.on_disk)})")
     lines = ["plan: " + "; ".join(tiers)]
-    routed = [name for name in plan.on_disk if name in lm.executor.per_expert]
+    routed = [name for name in plan.on_disk if name in lm.per_expert]
     per_step = manifest.nbytes(plan.on_disk)
     if routed:
         dense = sum(manifest.block(name).dense_length for name in routed)

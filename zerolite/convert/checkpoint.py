@@ -72,7 +72,7 @@ class Checkpoint:
         if pickled and not allow_pickle:
             raise ZeroliteError(
                 f"{folder} holds only pickled .bin weights, which can run code when loaded: "
-                "pass --allow-pickle if you trust them (they are read with weights_only=True)"
+                "pass `allow_pickle` if you trust them (they are read with weights_only=True)"
             )
         if not pickled:
             for path in weight_files:
@@ -166,7 +166,7 @@ def find_weight_files(folder: Path) -> tuple[tuple[Path, ...], bool]:
             return tuple(files), pickled
     raise ZeroliteError(
         f"no weights in {folder}: expected model.safetensors (or shards with {SAFETENSORS_INDEX}); "
-        "pickled pytorch_model.bin is read only with --allow-pickle"
+        "pickled pytorch_model.bin is read only with `allow_pickle`"
     )
 
 

@@ -70,7 +70,7 @@ def convert(
         if existing and existing.source["model"] != source["model"]:
             raise ZeroliteError(
                 f"{out} holds a layout of another model ({existing.source['model']}), not of {source['model']}: "
-                "choose another --path, or delete that folder to convert into it"
+                "choose another `path`, or delete that folder to convert into it"
             )
         if (existing and existing.source["fingerprint"] == source["fingerprint"] and existing.dtype == dtype_name
                 and existing.quantization == quantization and same_extents(existing, planned)):
@@ -111,7 +111,7 @@ def source_name(model: str | os.PathLike) -> str:
 def choose_dtype(dtype: str | None, config) -> torch.dtype:
     if dtype is not None:
         if dtype not in DTYPE_CHOICES:
-            raise ZeroliteError(f"unknown --dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+            raise ZeroliteError(f"unknown `dtype` {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
         return DTYPE_CHOICES[dtype]
     configured = getattr(config, "dtype", None)
     if isinstance(configured, str):
@@ -173,7 +173,7 @@ def prepare_folder(path: str | os.PathLike, model: str | os.PathLike, dtype: str
         # A layout has a folder of its own: written beside other files, it would mix with them.
         if not holds_layout(out) and any(entry.name != LOCK for entry in out.iterdir()):
             raise ZeroliteError(
-                f"--path {out} holds other files and no zerolite layout: convert into a new or empty folder, "
+                f"`path` {out} holds other files and no zerolite layout: convert into a new or empty folder, "
                 f"such as {default_layout_path(str(model), dtype, root=out)}"
             )
         probe = out / ".zerolite-write-test"
@@ -181,7 +181,7 @@ def prepare_folder(path: str | os.PathLike, model: str | os.PathLike, dtype: str
         probe.unlink()
     except OSError as e:
         raise ZeroliteError(
-            f"cannot write to --path {out}: {e.strerror or one_line(e)}; choose a folder you can write to"
+            f"cannot write to `path` {out}: {e.strerror or one_line(e)}; choose a folder you can write to"
         ) from e
     return out
 
@@ -199,7 +199,7 @@ def exclusive_lock(out: Path) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ZeroliteError(
-                f"another zerolite is converting into {out}: wait for it to finish or choose another --path"
+                f"another zerolite is converting into {out}: wait for it to finish or choose another `path`"
             ) from None
         yield
 
@@ -246,7 +246,7 @@ def check_free_space(out: Path, needed: int) -> None:
     if free < missing:
         raise ZeroliteError(
             f"not enough free space on {out}: the layout needs {missing / 1e9:.2f} GB more, "
-            f"{free / 1e9:.2f} GB is free; free some space or choose another --path"
+            f"{free / 1e9:.2f} GB is free; free some space or choose another `path`"
         )
 
 
@@ -279,7 +279,7 @@ def allocate(fd: int, nbytes: int, out: Path) -> None:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise ZeroliteError(f"{out} ran out of space allocating {nbytes / 1e9:.2f} GB: free some space or choose another --path") from e
+            raise ZeroliteError(f"{out} ran out of space allocating {nbytes / 1e9:.2f} GB: free some space or choose another `path`") from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
 
@@ -300,7 +300,7 @@ def write_block(fd: int, planned: BlockEntry, tensors: dict[str, torch.Tensor], 
             raise OSError(errno.EIO, f"short write of block {planned.name}")
         os.fdatasync(fd)
     except OSError as e:
-        raise ZeroliteError(f"writing {out / DATA_FILE} failed: {one_line(e)}; free space or choose another --path, then convert again (finished blocks are kept)") from e
+        raise ZeroliteError(f"writing {out / DATA_FILE} failed: {one_line(e)}; free space or choose another `path`, then convert again (finished blocks are kept)") from e
     # Written once, read back later with O_DIRECT: keep it out of the page cache.
     os.posix_fadvise(fd, planned.offset, planned.length, os.POSIX_FADV_DONTNEED)
     area = planned.experts

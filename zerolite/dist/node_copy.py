@@ -58,7 +58,7 @@ class NodeCopy(MemoryStore):
             except OSError as e:
                 os.close(fd)
                 raise ZeroliteError(f"cannot make {total / 1e9:.1f} GB of shared memory for the node's host copy "
-                                    f"({e.strerror}): lower --cpu-memory") from e
+                                    f"({e.strerror}): lower `cpu_memory`") from e
             mine = map_shared(fd, total, device)
             MemoryStore.load(disk, names, allocator(mine, offsets), progress)
             return world.node, os.getpid(), fd, total / max(time.perf_counter() - started, 1e-9) / 1e9

@@ -15,7 +15,8 @@ import os
 from contextlib import ExitStack
 from pathlib import Path
 
-from zerolite.generate.run import RunStats, Sampling, generate_all
+from zerolite.generate.run import RunStats, generate_all
+from zerolite.sampling import Sampling
 from zerolite.generate.outputs import CompletionLog
 from zerolite.generate.prompts import Prompt, read_prompts
 from zerolite.dist.world import World

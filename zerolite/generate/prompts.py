@@ -20,6 +20,12 @@ class Prompt:
     id: str | int
     text: str | None                 # None when given as token ids
     input_ids: tuple[int, ...] | None
+    line: int | None = None          # its line in the prompts file
+
+    @property
+    def where(self) -> str:
+        """The prompt, as an error names it."""
+        return (f"`input_file` line {self.line}, " if self.line is not None else "") + f"prompt {self.id!r}"
 
 
 @dataclass(frozen=True)
@@ -41,29 +47,29 @@ def prompts_from_arguments(texts: list[str]) -> list[Prompt]:
 def read_prompts(path: Path) -> list[Prompt]:
     """Every prompt in a JSONL file, or an error naming the file, the line and what is wrong."""
     if not path.exists():
-        raise ZeroliteError(f"--input {path} does not exist: give a JSONL file ({INPUT_FORMAT})")
+        raise ZeroliteError(f"`input_file` {path} does not exist: give a JSONL file ({INPUT_FORMAT})")
     if not path.is_file():
-        raise ZeroliteError(f"--input {path} is not a file: give a JSONL file ({INPUT_FORMAT})")
+        raise ZeroliteError(f"`input_file` {path} is not a file: give a JSONL file ({INPUT_FORMAT})")
     try:
         raw = path.read_bytes()
     except OSError as e:
-        raise ZeroliteError(f"cannot read --input {path}: {e.strerror}") from e
+        raise ZeroliteError(f"cannot read `input_file` {path}: {e.strerror}") from e
     prompts: list[Prompt] = []
     seen: set = set()
     for number, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
             continue
-        prompt = parse_line(line, f"{path}, line {number}")
+        prompt = parse_line(line, f"{path}, line {number}", number)
         if prompt.id in seen:
             raise ZeroliteError(f"{path}, line {number}: id {prompt.id!r} appears twice: give every prompt its own id")
         seen.add(prompt.id)
         prompts.append(prompt)
     if not prompts:
-        raise ZeroliteError(f"--input {path} holds no prompts: write {INPUT_FORMAT}")
+        raise ZeroliteError(f"`input_file` {path} holds no prompts: write {INPUT_FORMAT}")
     return prompts
 
 
-def parse_line(line: bytes, where: str) -> Prompt:
+def parse_line(line: bytes, where: str, number: int) -> Prompt:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -82,8 +88,8 @@ def parse_line(line: bytes, where: str) -> Prompt:
     if has_text:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise ZeroliteError(f"{where}: \"prompt\" must be a non-empty string")
-        return Prompt(obj["id"], obj["prompt"], None)
+        return Prompt(obj["id"], obj["prompt"], None, number)
     ids = obj["input_ids"]
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ZeroliteError(f"{where}: \"input_ids\" must be a non-empty list of token ids (integers >= 0)")
-    return Prompt(obj["id"], None, tuple(ids))
+    return Prompt(obj["id"], None, tuple(ids), number)

@@ -24,31 +24,9 @@ from zerolite.errors import ZeroliteError
 from zerolite.moe.counts import ExpertCounts
 from zerolite.progress import token_progress
 from zerolite.generate.prompts import Completion, Prompt
+from zerolite.sampling import Sampling
+from zerolite.text import PromptError, check_ids, context_length, encode_chat, encode_text, end_token_ids, left_pad, pad_id
 from zerolite.spec.decoding import SpeculationStats
-
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int = 64
-    sample: bool = False        # greedy unless set
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 50
-    seed: int | None = None     # set before every batch, so a batch's tokens do not depend on the ones before
-    chat: bool = False          # wrap each prompt in the tokenizer's chat template
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ZeroliteError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ZeroliteError(f"--temperature must be above 0, got {self.temperature}: for greedy decoding leave out --sample")
-        if not 0 < self.top_p <= 1:
-            raise ZeroliteError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ZeroliteError(f"--top-k must be 0 (all tokens) or more, got {self.top_k}")
-
 
 @dataclass
 class RunStats:
@@ -185,7 +163,7 @@ def generate_all(
     def prepare() -> None:
         nonlocal encoded, batches
         if batch_size is not None and batch_size < 1:
-            raise ZeroliteError(f"--batch-size must be at least 1, got {batch_size}")
+            raise ZeroliteError(f"`batch_size` must be at least 1, got {batch_size}")
         encoded = encode(lm, prompts, sampling.chat)
         check_context(lm, prompts, encoded, sampling.max_new_tokens)
         size = batch_size or min(world.together(  # the largest every rank's memory holds
@@ -198,7 +176,7 @@ def generate_all(
     running = [i for rows in batches for i in rows]
     if running:
         on_start(max(map(len, batches)), max(len(encoded[i]) for i in running) + sampling.max_new_tokens)
-    config = generation_config(lm, sampling)
+    config = sampling.generation_config(lm.generation_config, pad_id(lm.tokenizer, lm.generation_config))
     stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
     bytes_before = lm.bytes_read
     experts_before = lm.expert_counts()
@@ -221,7 +199,7 @@ def generate_all(
                         progress.advance(tokens)
                     on_batch(completions)
     stats.bytes_read = lm.bytes_read - bytes_before
-    if lm.executor.per_expert:
+    if lm.per_expert:
         stats.experts = lm.expert_counts().since(experts_before)
     if speculation_before is not None:
         stats.speculation = lm.speculator.stats.since(speculation_before)
@@ -239,7 +217,7 @@ def check_work(prompts: int, batch_size: int, ranks: int) -> None:
     if batches < ranks:
         raise ZeroliteError(f"{prompts} prompt{'s' if prompts != 1 else ''} in batches of {batch_size} make {batches} "
                             f"batch{'es' if batches != 1 else ''}, too few for {ranks} ranks: run {batches} "
-                            f"rank{'s' if batches != 1 else ''} (torchrun --nproc-per-node), or give a smaller --batch-size")
+                            f"rank{'s' if batches != 1 else ''} (torchrun --nproc-per-node), or give a smaller `batch_size`")
 
 
 def run_batch(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], rows: range, sampling: Sampling, config,
@@ -261,92 +239,47 @@ def run_batch(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], 
     return completions, sum(clock.tokens[1:])
 
 
+# What a prompt that the model cannot take should do instead, by PromptError's code.
+FIXES = {
+    "no_tokenizer": 'give "input_ids" in the `input_file` instead',
+    "no_chat_template": "leave out `chat`",
+    "chat_template_refused": "leave out `chat`, or change the prompt",
+    "empty_prompt": "give it some text",
+    "invalid_token_id": "check its input_ids",
+}
+
+
 def encode(lm: OffloadedLM, prompts: list[Prompt], chat: bool) -> list[list[int]]:
-    tokenizer = lm.tokenizer
-    vocab = lm.model.config.get_text_config().vocab_size
+    vocab = lm.config.get_text_config().vocab_size
     encoded = []
     for prompt in prompts:
-        if prompt.input_ids is not None:
-            ids = list(prompt.input_ids)
-            if max(ids) >= vocab:
-                raise ZeroliteError(f"prompt {prompt.id!r} has token id {max(ids)}, but the model's vocabulary has {vocab}: check its input_ids")
-        elif tokenizer is None:
-            raise ZeroliteError(f"prompt {prompt.id!r} is text, but this model has no tokenizer: give \"input_ids\" in the --input file instead")
-        elif chat:
-            if not tokenizer.chat_template:
-                raise ZeroliteError("--chat asked for, but this model's tokenizer has no chat template: leave out --chat")
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = tokenizer(prompt.text).input_ids
-        if not ids:
-            raise ZeroliteError(f"prompt {prompt.id!r} encodes to no tokens: give it some text")
+        try:
+            if prompt.input_ids is not None:
+                ids = list(prompt.input_ids)
+            elif chat:
+                ids = encode_chat(lm.tokenizer, [{"role": "user", "content": prompt.text}])
+            else:
+                ids = encode_text(lm.tokenizer, prompt.text)
+            check_ids(ids, vocab)
+        except PromptError as e:
+            raise ZeroliteError(f"{prompt.where}: {e}: {FIXES[e.code]}") from None
         encoded.append(ids)
     return encoded
 
 
-def context_length(lm: OffloadedLM) -> int | None:
-    config = lm.model.config.get_text_config()
-    for key in CONTEXT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def check_context(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], max_new_tokens: int) -> None:
-    limit = context_length(lm)
+    limit = context_length(lm.config)
     if limit is None:
         return
     longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
-    length = len(encoded[longest])
+    length, where = len(encoded[longest]), prompts[longest].where
     if length > limit:
-        raise ZeroliteError(
-            f"prompt {prompts[longest].id!r} is {length} tokens, longer than the model's context of {limit}: shorten it"
-        )
+        raise ZeroliteError(f"{where} is {length} tokens, longer than the model's context of {limit}: shorten it")
     if length + max_new_tokens > limit:
         raise ZeroliteError(
-            f"prompt {prompts[longest].id!r} is {length} tokens; with --max-new-tokens {max_new_tokens} it would run past "
-            f"the model's context of {limit}: use --max-new-tokens {limit - length} or less"
+            f"{where} is {length} tokens; with `max_new_tokens` {max_new_tokens} it would run past "
+            f"the model's context of {limit}: use `max_new_tokens` {limit - length} or less"
         )
-
-
-def generation_config(lm: OffloadedLM, sampling: Sampling):
-    config = copy.deepcopy(lm.generation_config)
-    config.max_new_tokens = sampling.max_new_tokens
-    config.max_length = None
-    config.do_sample = sampling.sample
-    if sampling.sample:
-        config.temperature, config.top_p, config.top_k = sampling.temperature, sampling.top_p, sampling.top_k
-    if config.pad_token_id is None:
-        config.pad_token_id = pad_id(lm, config)
-    return config
-
-
-def pad_id(lm: OffloadedLM, config) -> int:
-    """The generation config's pad id, else the tokenizer's, else the end-of-sequence id."""
-    if lm.tokenizer is not None and lm.tokenizer.pad_token_id is not None:
-        return lm.tokenizer.pad_token_id
-    eos = config.eos_token_id
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos if eos is not None else 0
-
-
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for k, ids in enumerate(rows):
-        input_ids[k, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[k, width - len(ids) :] = 1
-    return input_ids, attention_mask
-
-
-def end_token_ids(config) -> frozenset[int]:
-    """The generation config's end-of-sequence ids (one id, a list, or none)."""
-    eos = config.eos_token_id
-    return frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
 
 def finish(lm: OffloadedLM, prompt: Prompt, new_ids: list[int], config) -> Completion:

@@ -241,7 +241,7 @@ def registered(array: ctypes.Array, mapping: mmap.mmap, what: str) -> torch.Tens
     status = int(cudart.cudaHostRegister(address, len(array), CUDA_HOST_REGISTER_PORTABLE))
     if status != 0:
         raise ZeroliteError(
-            f"pinning {len(array) / 1e9:.2f} GB of {what} failed (cudaError {status}): lower --cpu-memory or --prefetch-depth"
+            f"pinning {len(array) / 1e9:.2f} GB of {what} failed (cudaError {status}): lower `cpu_memory` or `prefetch_depth`"
         )
     array._registration = _Registration(mapping, address, cudart)  # dies with the last tensor using the array
     tensor = torch.frombuffer(array, dtype=torch.uint8)

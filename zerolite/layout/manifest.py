@@ -151,7 +151,7 @@ class Manifest:
             manifest.validate()
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ZeroliteError(
-                f"{where} is damaged ({' '.join(str(e).split())}): convert the model again into a fresh --path"
+                f"{where} is damaged ({' '.join(str(e).split())}): convert the model again into a fresh `path`"
             ) from e
         return manifest
 

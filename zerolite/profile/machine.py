@@ -30,7 +30,7 @@ def measure_disk(path: str | os.PathLike, max_bytes: int = DISK_READ_BYTES, scra
     """
     target = Path(path).expanduser()
     if not target.exists():
-        raise ZeroliteError(f"--disk {target} does not exist: give a layout, a file or a folder on the disk to measure")
+        raise ZeroliteError(f"`disk` {target} does not exist: give a layout, a file or a folder on the disk to measure")
     engine = engine or IoEngine()
     drop_page_cache()
     if target.is_dir() and (target / MANIFEST).is_file():

@@ -100,7 +100,7 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
 
     # The link a step waits on: the disk when any layer streams from it, else the copy to the GPU.
     experts = None
-    if lm.executor.per_expert:
+    if lm.per_expert:
         # Only the routed experts move: the bytes a step streams are measured, not the layers' sizes.
         experts = lm.expert_counts().since(experts_before).summary(lm.bytes_read - bytes_before, new_tokens)
         streamed = experts["dense_bytes_per_step"] + experts["expert_bytes_per_step"]

@@ -95,4 +95,4 @@ def cpu_packing() -> Int4Packing:
         if torch.equal(pack_int4(probe.to(torch.uint8), packing), packed):
             return packing
     raise ZeroliteError(f"torch {torch.__version__} packs 4-bit weights in a form zerolite does not know: "
-                        "use --weights int8, or torch 2.13")
+                        "use `weights` int8, or torch 2.13")

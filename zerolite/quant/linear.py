@@ -8,7 +8,7 @@ Where host memory is the device's (a CPU), a decode step computes with torch's w
 nothing is dequantised or repacked per decode step. Those kernels' cost grows with the rows far
 faster than a matmul's, so from a threshold of rows on (a prefill) the weight is dequantised once
 for the call into the activations' dtype and an ordinary matmul runs. The int4 kernel is fast only
-with bf16 activations (fp32 and fp16 take a scalar path, 10-50x a dense matmul), so other dtypes
+with bf16 activations (fp32 and fp16 take a scalar path, far slower than a dense matmul), so other dtypes
 always dequantise. Where the device has memory of its own (a GPU), the quantized bytes are what
 crosses the link (about a half or a quarter of bf16's), and they are always dequantised there.
 """
@@ -25,10 +25,10 @@ from zerolite.quant.int4_packing import Int4Packing, cpu_packing, unpack_int4
 from zerolite.layout.manifest import DTYPES, Manifest
 from zerolite.quant.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme, linear_shape, whole_groups
 
-# From these many rows dequantise-then-matmul beats the kernel, on the CPUs measured. int8: one
-# 5632 x 2048 matrix took 0.6 ms (1 row), 5.5 ms (16) and 21.8 ms (128) in the kernel against
-# 2.9 ms (16) and 7.9 ms (128) as a bf16 matmul. int4: 0.3 ms (1), 17.7 ms (128) and 71 ms (512)
-# in the kernel against 7.5 ms (128) and 27.5 ms (512) as a matmul, plus about 50 ms to unpack.
+# From these many rows on, dequantise-then-matmul beats the kernel: the kernel's cost grows with
+# the rows far faster than a matmul's, while dequantising costs the same for one row as for many.
+# int4's threshold is higher, as unpacking its nibbles costs more than widening int8. Where the
+# two cross depends on the CPU; these were set from the CPUs measured (the README's figures).
 DEQUANTIZE_ROWS = 64
 INT4_DEQUANTIZE_ROWS = 512
 
@@ -140,5 +140,5 @@ def check_packing(scheme: WeightScheme) -> None:
         raise ZeroliteError(
             f"this layout's int4 weights were packed by torch {scheme.packed_by} in {scheme.packing.block_rows}-row "
             f"blocks, which torch {torch.__version__}'s int4 kernel does not read on this CPU (it wants "
-            f"{here.block_rows}-row blocks from torch {torch.__version__}): convert the model again with --weights int4"
+            f"{here.block_rows}-row blocks from torch {torch.__version__}): convert the model again with `weights` int4"
         )

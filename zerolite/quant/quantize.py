@@ -60,18 +60,18 @@ class WeightScheme:
     def parse(cls, weights: str | None, group_size: int | None = None) -> WeightScheme | None:
         if weights is None:
             if group_size is not None:
-                raise ZeroliteError("--group-size is for int4 weights: give --weights int4 too")
+                raise ZeroliteError("`group_size` is for int4 weights: give `weights` int4 too")
             return None
         if weights == "int8":
             if group_size is not None:
-                raise ZeroliteError("--group-size is for int4's groups: int8 has one scale per output channel")
+                raise ZeroliteError("`group_size` is for int4's groups: int8 has one scale per output channel")
             return cls("int8")
         if weights == "int4":
             group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
             if group_size not in GROUP_SIZES:
-                raise ZeroliteError(f"--group-size {group_size} is not one int4 takes: choose 32, 64 or 128")
+                raise ZeroliteError(f"`group_size` {group_size} is not one int4 takes: choose 32, 64 or 128")
             return cls("int4", group_size, cpu_packing(), torch.__version__)
-        raise ZeroliteError(f"unknown --weights {weights!r}: choose int8 or int4 (or leave it out for the layout's dtype)")
+        raise ZeroliteError(f"unknown `weights` {weights!r}: choose int8 or int4 (or leave it out for the layout's dtype)")
 
     @classmethod
     def from_manifest(cls, record: dict) -> WeightScheme:
@@ -100,7 +100,7 @@ class WeightScheme:
         for path, shape in targets.items():
             if shape.out_features % ROW_MULTIPLE:
                 raise ZeroliteError(f"int4 needs output widths that are multiples of {ROW_MULTIPLE}, and {path} has "
-                                    f"{shape.out_features}: use --weights int8")
+                                    f"{shape.out_features}: use `weights` int8")
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """{suffix: tensor}: "" for the quantized weight, the companion for its scales."""

@@ -34,24 +34,24 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
-            raise ZeroliteError(f"unknown --offload {self.offload!r}: choose one of {', '.join(OFFLOAD_CHOICES)}")
+            raise ZeroliteError(f"unknown `offload` {self.offload!r}: choose one of {', '.join(OFFLOAD_CHOICES)}")
         if isinstance(self.device, str):
             if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]+", self.device):
-                raise ZeroliteError(f"unknown --device {self.device!r}: choose cuda, cuda:N, cpu or auto")
+                raise ZeroliteError(f"unknown `device` {self.device!r}: choose cuda, cuda:N, cpu or auto")
             if self.device.startswith("cuda") and not cuda_available():
                 raise ZeroliteError(
-                    f"--device {self.device} asked for, but this machine has no usable CUDA device "
-                    "(PyTorch sees no CUDA device): use --device cpu"
+                    f"`device` {self.device} asked for, but this machine has no usable CUDA device "
+                    "(PyTorch sees no CUDA device): use `device` cpu"
                 )
         if self.experts not in EXPERTS_CHOICES:
-            raise ZeroliteError(f"unknown --experts {self.experts!r}: choose one of {', '.join(EXPERTS_CHOICES)}")
+            raise ZeroliteError(f"unknown `experts` {self.experts!r}: choose one of {', '.join(EXPERTS_CHOICES)}")
         if self.prefetch_depth < 1:
-            raise ZeroliteError(f"--prefetch-depth must be at least 1, got {self.prefetch_depth}")
-        for flag, budget in (("--gpu-memory", self.gpu_memory), ("--cpu-memory", self.cpu_memory)):
+            raise ZeroliteError(f"`prefetch_depth` must be at least 1, got {self.prefetch_depth}")
+        for name, budget in (("gpu_memory", self.gpu_memory), ("cpu_memory", self.cpu_memory)):
             if budget is not None and budget < 0:
-                raise ZeroliteError(f"{flag} must not be negative, got {budget} bytes")
+                raise ZeroliteError(f"`{name}` must not be negative, got {budget} bytes")
         if not 0.0 <= self.kv_offload <= 1.0:
-            raise ZeroliteError(f"--kv-offload is the fraction of layers whose K/V cache lives in host memory: "
+            raise ZeroliteError(f"`kv_offload` is the fraction of layers whose K/V cache lives in host memory: "
                                 f"give a number from 0 to 1, not {self.kv_offload}")
 
     def target(self) -> Device:
@@ -63,13 +63,14 @@ SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(text: str, flag: str) -> int:
-    """A memory budget such as "24GB", "1.5GiB" or "0" (no unit needed for nothing) in bytes."""
+def parse_size(text: str, name: str) -> int:
+    """A memory budget such as "24GB", "1.5GiB" or "0" (no unit needed for nothing) in bytes; name
+    is what an error calls it."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if match and match[2].lower() in SIZE_UNITS:
         return int(float(match[1]) * SIZE_UNITS[match[2].lower()])
     if match and not match[2] and float(match[1]) == 0:
         return 0
-    raise ZeroliteError(f"{flag} {text!r} is not a size: write it with a unit, as in 24GB, 1.5GiB or 512MB (or 0)")
+    raise ZeroliteError(f"{name} {text!r} is not a size: write it with a unit, as in 24GB, 1.5GiB or 512MB (or 0)")
 
 

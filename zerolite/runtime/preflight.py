@@ -49,13 +49,13 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
         what += f" (for the {ranks_here} ranks on this node: one copy of {shared / 1e9:.1f} GB, and {each / 1e9:.1f} GB each)"
     if host_needed > available:
         if policy.offload == "none":
-            fix = "use --offload nvme to stream the layers from disk"
+            fix = "use `offload` nvme to stream the layers from disk"
         elif policy.offload == "cpu":
-            fix = "use --offload nvme to stream the layers that do not fit from disk"
+            fix = "use `offload` nvme to stream the layers that do not fit from disk"
         elif policy.cpu_memory is not None and plan.in_memory:
-            fix = "lower --cpu-memory"
+            fix = "lower `cpu_memory`"
         else:
-            fix = "lower --prefetch-depth"
+            fix = "lower `prefetch_depth`"
         raise ZeroliteError(
             f"this plan {what} {host_needed / 1e9:.1f} GB in host memory but {available / 1e9:.1f} GB is available: {fix}"
         )
@@ -66,7 +66,7 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
         if device_needed > free:
             raise ZeroliteError(
                 f"this plan puts {device_needed / 1e9:.1f} GB on {device.name} but {free / 1e9:.1f} GB is free: "
-                + ("lower --gpu-memory" if policy.gpu_memory is not None else "lower --prefetch-depth, or free the GPU")
+                + ("lower `gpu_memory`" if policy.gpu_memory is not None else "lower `prefetch_depth`, or free the GPU")
             )
 
     if plan.on_disk and not supports_direct_io(layout.data_path):

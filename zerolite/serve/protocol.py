@@ -1,8 +1,12 @@
-"""The OpenAI API's requests as zerolite serve reads them, and its answers as it writes them.
+"""The OpenAI API's requests as zerolite serve reads them, and the parts its answers share.
 
     body = parse(ChatRequest, raw_json)            # BadRequest: one line saying what is wrong
-    sequences = chat_sequences(body, served)       # one per choice, ready for the engine
-    completion_response(...), chunk(...)           # the JSON objects OpenAI's clients expect
+    check_model(body, served)                      # the model asked for is the one served
+    prompt = chat_prompt(body, served)             # token ids (completion_prompts: a list per prompt)
+    seqs = sequences(body, [prompt], served, asked_max, default_max=None)  # one per choice, for the engine
+    usage(...), error_body(...), model_card(...)   # pieces of the JSON objects OpenAI's clients expect
+
+The answers and stream chunks themselves are put together in zerolite.serve.app.
 
 A parameter OpenAI defines that would change the answer and that zerolite does not do (logprobs,
 tools, logit_bias, ...) is refused by name rather than silently ignored; an unknown one is
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,10 +28,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from zerolite.serve.engine_loop import Sequence
 from zerolite.serve.text_stream import TextStream
-from zerolite.serve.token_choice import Sampling, TokenChoice
+from zerolite.sampling import Sampling
+from zerolite.serve.token_choice import TokenChoice
+from zerolite.text import PromptError, check_ids, encode_chat, encode_text
 
 MAX_N = 16                 # choices per request
 MAX_STOPS = 4              # stop strings per request, as OpenAI allows
+GREEDY_BELOW = 1e-5        # a temperature this low is greedy (dividing by it would overflow the logits to inf)
+# What the client should do instead, by text.PromptError's code.
+FIXES = {
+    "no_tokenizer": "give the prompt as token ids",
+    "no_chat_template": "use /v1/completions",
+    "chat_template_refused": "change the messages",
+    "empty_prompt": "give it some tokens",
+    "invalid_token_id": "check the prompt's ids",
+}
 
 
 class BadRequest(Exception):
@@ -194,38 +210,35 @@ def completion_prompts(body: CompletionRequest, served: ServedModel) -> list[lis
     if count * body.n > MAX_N:  # before any tokenizing: a list of 100,000 prompts costs nothing to refuse
         raise BadRequest(f"{count} prompts with n={body.n} make {count * body.n} choices; "
                          f"one request takes at most {MAX_N}", param="prompt")
-    if isinstance(prompt, str) or isinstance(prompt[0], str):
-        if served.tokenizer is None:
-            raise BadRequest("this model has no tokenizer: give the prompt as token ids", param="prompt")
-        prompts = [served.tokenizer(text).input_ids for text in ([prompt] if isinstance(prompt, str) else prompt)]
-    else:
-        prompts = prompt if several else [prompt]
-    for ids in prompts:
-        check_prompt(ids, served)
+    with bad_prompt("prompt"):
+        if isinstance(prompt, str) or isinstance(prompt[0], str):
+            prompts = [encode_text(served.tokenizer, text) for text in ([prompt] if isinstance(prompt, str) else prompt)]
+        else:
+            prompts = prompt if several else [prompt]
+        for ids in prompts:
+            check_prompt(ids, served)
     return prompts
 
 
 def chat_prompt(body: ChatRequest, served: ServedModel) -> list[int]:
-    tokenizer = served.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise BadRequest("this model has no chat template: use /v1/completions", param="messages")
-    try:
-        text = tokenizer.apply_chat_template([m.plain() for m in body.messages], add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # the template's own checks (roles that must alternate, ...) raise
-        raise BadRequest(f"the model's chat template refused these messages: {' '.join(str(e).split())}",
-                         param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    check_prompt(ids, served)
+    with bad_prompt("messages"):
+        ids = encode_chat(served.tokenizer, [m.plain() for m in body.messages])
+    with bad_prompt("prompt"):
+        check_prompt(ids, served)
     return ids
 
 
+@contextmanager
+def bad_prompt(param: str):
+    """text's PromptError as a 400 naming the request's parameter."""
+    try:
+        yield
+    except PromptError as e:
+        raise BadRequest(f"{e}: {FIXES[e.code]}", param=param, code=e.code) from None
+
+
 def check_prompt(ids: list[int], served: ServedModel) -> None:
-    if not ids:
-        raise BadRequest("the prompt is empty: it holds no tokens", param="prompt", code="empty_prompt")
-    bad = [t for t in ids if not 0 <= t < served.vocab_size]
-    if bad:
-        raise BadRequest(f"the prompt holds token id {bad[0]}, but the model's ids run from 0 to {served.vocab_size - 1}",
-                         param="prompt", code="invalid_token_id")
+    check_ids(ids, served.vocab_size)
     if len(ids) > served.max_prompt_tokens or len(ids) >= served.context:
         limit = min(served.max_prompt_tokens, served.context - 1)
         raise BadRequest(f"the prompt is {len(ids)} tokens, and this server takes at most {limit}: shorten it",
@@ -255,8 +268,10 @@ def sequences(body: Common, prompts: list[list[int]], served: ServedModel, asked
 
 
 def sampling(body: Common, seed: int | None) -> Sampling:
+    temperature = 1.0 if body.temperature is None else body.temperature
     return Sampling(
-        temperature=1.0 if body.temperature is None else body.temperature,
+        sample=temperature >= GREEDY_BELOW,
+        temperature=temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0),
         presence_penalty=body.presence_penalty or 0.0,

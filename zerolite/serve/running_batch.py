@@ -33,11 +33,10 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from zerolite.errors import ZeroliteError
-from zerolite.generate.run import pad_id
+from zerolite.text import pad_id
 from zerolite.runtime.kv_cache import PartialOffloadCache
 
 
@@ -60,8 +59,8 @@ class RunningBatch:
         forward = inspect.signature(self.model.forward).parameters
         self._takes_positions = "position_ids" in forward
         self._keeps_logits = "logits_to_keep" in forward
-        self.max_columns = cache_columns_limit(new_cache(lm))
-        self.pad_id = pad_id(lm, self.model.generation_config)  # a masked column's: embedded, never attended to
+        self.max_columns = cache_columns_limit(lm.new_cache())
+        self.pad_id = pad_id(lm.tokenizer, self.model.generation_config)  # a masked column's: embedded, never attended to
 
     @property
     def width(self) -> int:
@@ -73,7 +72,7 @@ class RunningBatch:
         if not rows:
             return
         if not self.rows:
-            self.cache = new_cache(self.lm)
+            self.cache = self.lm.new_cache()
         self.rows += rows
         self._each_layer(lambda states: torch.cat([states, states.new_zeros((len(rows), *states.shape[1:]))]))
 
@@ -131,7 +130,7 @@ class RunningBatch:
             try:
                 logits = self.model(**inputs).logits[:, -1, :].float().cpu()  # one copy for every row's choice
             except BaseException:
-                self.lm.executor.recover()
+                self.lm.recover()
                 raise
         self._close_holes(width, chunk, feeds)
         done = []
@@ -176,14 +175,6 @@ class RunningBatch:
                 layer.keys, layer.values = change(layer.keys), change(layer.values)
                 if hasattr(layer, "cumulative_length"):
                     layer.cumulative_length = layer.keys.shape[-2]  # a sliding window's own count of tokens seen
-
-
-def new_cache(lm):
-    """The cache generate would make, with the policy's share of the K/V in host memory."""
-    fraction = lm.policy.kv_offload
-    if fraction > 0:
-        return PartialOffloadCache(lm.model.config, fraction, lm.device, lm.executor.kv_streams)
-    return DynamicCache(config=lm.model.config.get_text_config(decoder=True))
 
 
 def cache_columns_limit(cache) -> int | None:

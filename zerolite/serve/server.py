@@ -26,8 +26,8 @@ import uvicorn
 from zerolite.runtime.batching import largest_batch
 from zerolite.serve.engine_loop import EngineLoop
 from zerolite.errors import ZeroliteError
-from zerolite.generate.run import context_length, end_token_ids
-from zerolite.serve.running_batch import cache_columns_limit, new_cache
+from zerolite.text import context_length, end_token_ids
+from zerolite.serve.running_batch import cache_columns_limit
 from zerolite.serve.app import build_app, is_loopback
 from zerolite.serve.metrics import ServeMetrics
 from zerolite.serve.protocol import ServedModel
@@ -59,8 +59,8 @@ def check_exposure(settings: ServeSettings) -> None:
     """Refuses to listen beyond loopback with no API key, unless told so with --insecure."""
     if is_loopback(settings.host) or settings.api_key or settings.insecure:
         return
-    raise ZeroliteError(f"--host {settings.host} listens beyond this machine, and there is no --api-key: give one "
-                        "(or ZEROLITE_API_KEY), or --insecure if everyone who can reach the port may use the model")
+    raise ZeroliteError(f"`host` {settings.host} listens beyond this machine, and there is no `api_key`: give one "
+                        "(or ZEROLITE_API_KEY), or `insecure` if everyone who can reach the port may use the model")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -72,8 +72,8 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise ZeroliteError(f"port {port} on {host} is in use: stop what listens there, or choose another --port") from None
-        raise ZeroliteError(f"cannot listen on {host}:{port} ({e.strerror}): check --host and --port") from None
+            raise ZeroliteError(f"port {port} on {host} is in use: stop what listens there, or choose another `port`") from None
+        raise ZeroliteError(f"cannot listen on {host}:{port} ({e.strerror}): check `host` and `port`") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -81,8 +81,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def served_model(lm, settings: ServeSettings, model: str | None) -> ServedModel:
     config = lm.model.config.get_text_config()
-    context = min(filter(None, (settings.max_context, context_length(lm) or DEFAULT_CONTEXT)))
-    window = cache_columns_limit(new_cache(lm))
+    context = min(filter(None, (settings.max_context, context_length(lm.config) or DEFAULT_CONTEXT)))
+    window = cache_columns_limit(lm.new_cache())
     if window is not None and window < context:
         print(f"zerolite: serving at most {window} tokens per sequence: the model's sliding window", file=sys.stderr)
         context = window

@@ -3,30 +3,20 @@ greedy at temperature 0, else sampled after presence and frequency penalties, te
 and top-p (transformers' own warpers), from a generator of the sequence's own, so that a seed gives
 the same tokens whatever else shares the batch.
 
-    choice = TokenChoice(Sampling(temperature=0.7, top_p=0.9, seed=1), vocab_size=32000)
+    choice = TokenChoice(Sampling(sample=True, temperature=0.7, top_p=0.9, seed=1), vocab_size=32000)
     token = choice.pick(logits)    # fp32 logits of one row
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-GREEDY_BELOW = 1e-5   # a temperature this low is greedy (dividing by it would overflow the logits to inf)
+from zerolite.sampling import Sampling
+
 SEEDS = 2**64         # torch's generators take seeds modulo this
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 1.0        # 0 (below GREEDY_BELOW): greedy
-    top_p: float = 1.0
-    top_k: int = 0                  # 0: every token
-    presence_penalty: float = 0.0   # subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # subtracted per time a token was generated
-    seed: int | None = None
 
 
 class TokenChoice:
@@ -35,7 +25,7 @@ class TokenChoice:
         self.counts = torch.zeros(vocab_size) if sampling.presence_penalty or sampling.frequency_penalty else None
         self.generator = None
         self.warpers = []
-        if sampling.temperature >= GREEDY_BELOW:
+        if sampling.sample:
             seed = sampling.seed % SEEDS if sampling.seed is not None else secrets.randbits(63)
             self.generator = torch.Generator().manual_seed(seed)
             self.warpers.append(TemperatureLogitsWarper(sampling.temperature))

@@ -7,12 +7,12 @@ whose guesses the target checks several at a time, in one pass over its weights.
 --draft PATH names a layout or checkpoint that shares the target's tokenizer. --draft self-int4 or
 self-int8 is the target's own weights quantized: converted once from the source the target was
 converted from, into a layout beside the target's (TARGET-draft-int4-g32), so no second model is
-needed. A self-draft is bf16, the dtype the CPU int4 and int8 kernels run fast in (an fp32 int8
-draft of the built-in model took 199 ms a guess, a bf16 one 43-51 ms). int4 is in groups of 32 by
-default: a draft is read from memory, so the finer groups' scales cost little, while every guess
-the target rejects costs a round. On the built-in model (a Q4_1 GGUF, whose own groups are 32 wide
-and kept exactly) the draft's top token agreed with the target's at 97% of positions at group 32,
-71% at 64 and 66% at 128. zerolite.spec.decoding runs the rounds of guessing and checking.
+needed. A self-draft is bf16, the dtype the CPU int4 and int8 kernels run fast in (in fp32 they
+are far slower). int4 is in groups of 32 by default: a draft is read from memory, so the finer
+groups' scales cost little, while every guess the target rejects costs a round, and the finer the
+groups, the more often the draft's top token is the target's (a model converted from a GGUF whose
+own groups are 32 wide keeps them exactly at 32). zerolite.spec.decoding runs the rounds of
+guessing and checking.
 """
 
 from __future__ import annotations
@@ -45,16 +45,16 @@ def draft_layout(spec: str, target: Layout, group_size: int | None, show_progres
 
     if spec not in SELF_DRAFTS:
         if group_size is not None:
-            raise ZeroliteError("--draft-group-size is for self-int4 drafts: leave it out with --draft PATH")
+            raise ZeroliteError("`draft_group_size` is for self-int4 drafts: leave it out with `draft` PATH")
         return ensure_layout(spec, None, None, False, show_progress)
     weights = SELF_DRAFTS[spec]
     if weights == "int8" and group_size is not None:
-        raise ZeroliteError("--draft-group-size is for self-int4 drafts: int8 has one scale per output channel")
+        raise ZeroliteError("`draft_group_size` is for self-int4 drafts: int8 has one scale per output channel")
     group_size = (group_size or DRAFT_GROUP_SIZE) if weights == "int4" else None
     own = target.manifest.quantization or {}
     if own.get("weights") == weights and own.get("group_size") == group_size:
-        raise ZeroliteError(f"the target layout is {spec.removeprefix('self-')} already, so --draft {spec} would be "
-                            "the target itself: draft with a smaller model (--draft PATH), or stream it without --draft")
+        raise ZeroliteError(f"the target layout is {spec.removeprefix('self-')} already, so `draft` {spec} would be "
+                            "the target itself: draft with a smaller model (`draft` PATH), or stream it without `draft`")
     folder = target.folder.with_name(f"{target.folder.name}-draft-{weights}" + (f"-g{group_size}" if group_size else ""))
     convert(target.manifest.source["model"], folder, dtype="bf16", weights=weights, group_size=group_size,
             show_progress=show_progress)
@@ -82,10 +82,11 @@ def memory_left(device: Device) -> tuple[int, str]:
 
 
 def quantize_head(draft_lm) -> None:
-    """A self-draft's head in int8, quantized as it loads: on the built-in model the bf16 head
-    (49152 x 576) took 8.6 ms of a 29 ms guess on one core. The model's own head still decides
-    every token; the draft's only has to guess it. int8, not int4, even for an int4 draft: the
-    draft's guesses were kept 88% of the time with its bf16 head, 61% with an int4 one."""
+    """A self-draft's head in int8, quantized as it loads: a small model's head is a large share
+    of its weights (the built-in model's is 49152 x 576), and in bf16 a large share of each guess.
+    The model's own head still decides every token; the draft's only has to guess it. int8, not
+    int4, even for an int4 draft: an int4 head makes far more of the guesses the target rejects,
+    each of which costs a round."""
     model = draft_lm.model
     head = model.get_output_embeddings()
     weight = head.weight.detach()
@@ -120,9 +121,9 @@ def ring_depth(policy: Policy, layout: Layout, draft_lm, step_s: float) -> int:
     without slots to read into the disk would idle. Deep enough for what the disk reads through
     the longest round of guesses, at the rate a short read-only pass of our engine over the last
     layers (the ones streamed when memory holds the first) measures; never shallower than asked,
-    short of the layers by one, and taking at most half the memory left. On the built-in model
-    (14 MB layers, 30 ms guesses) that is all but one layer; on a 70B model (1.7 GB fp16 layers), a slot
-    or two more."""
+    short of the layers by one, and taking at most half the memory left. Where the disk reads
+    many layers in a round (small layers, slow guesses) that is all but one layer; where a layer
+    takes longer to read than a round, a slot or two more than asked."""
     manifest = layout.manifest
     layers = manifest.layer_names
     slot = max((manifest.block(name).length for name in layers), default=0)
@@ -155,4 +156,4 @@ def check_same_vocabulary(tokenizer, config, draft: Path) -> None:
                 == AutoConfig.from_pretrained(draft).get_text_config().vocab_size)
     if not same:
         raise ZeroliteError(f"the draft {draft} does not share the target's tokenizer: a draft must use the same "
-                            "vocabulary as the model it drafts for (the same family, or --draft self-int4)")
+                            "vocabulary as the model it drafts for (the same family, or `draft` self-int4)")

@@ -1,0 +1,108 @@
+"""zerolite generate: prompts from the command line or a JSONL file, completions to stdout or a file."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from zerolite.cli import options
+from zerolite.cli.app import app
+from zerolite.cli.plan_summary import show_plan
+from zerolite.cli.ranks import RANK_ZEROS_OWN, start_world
+from zerolite.errors import ZeroliteError
+from zerolite.progress import stderr
+
+DEFAULT_BATCH_SIZE = "8"
+
+
+@app.command()
+@options.with_load_options
+def generate(
+    prompts: Annotated[list[str] | None, typer.Argument(help="Prompts to complete (or use --input).", show_default=False)] = None,
+    input_file: Annotated[Path | None, typer.Option("--input", help='JSONL prompts: {"id", "prompt"} or {"id", "input_ids"} per line.')] = None,
+    output: Annotated[Path | None, typer.Option(help='JSONL completions: {"id", "prompt", "completion", "token_ids", "finish_reason"} per line.')] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt, at most.")] = 64,
+    batch_size: Annotated[str | None, typer.Option(help="Prompts per pass over the weights, or auto: the largest batch the memory left holds (default 8; 1 with --draft).", show_default=False)] = None,
+    sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the likeliest tokens holding this much probability (0 < p <= 1).")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample among the k likeliest tokens (0: all).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the tokenizer's chat template.")] = False,
+    stats_json: Annotated[Path | None, typer.Option("--stats-json", help="Write timings, bytes read and peak memory here.")] = None,
+    **load,
+) -> None:
+    """Generate text with a model streamed from NVMe or CPU memory (under torchrun, on every rank)."""
+    given = {**{k: v for k, v in locals().items() if k != "load"}, **load}
+    draft = load["draft"]
+    import json
+
+    from zerolite.convert.writer import write_atomically
+    from zerolite.generate.job import open_job
+    from zerolite.generate.prompts import prompts_from_arguments, read_prompts
+    from zerolite.generate.run import check_work, generate_all
+    from zerolite.moe.counts import summary_line
+    from zerolite.sampling import Sampling
+
+    world = start_world({k: v for k, v in given.items() if k not in RANK_ZEROS_OWN})
+    sampling = None
+    with ExitStack() as stack:
+        def read() -> list:
+            nonlocal sampling
+            if prompts and input_file is not None:
+                raise ZeroliteError("give prompts as arguments or --input FILE, not both")
+            if not prompts and input_file is None:
+                raise ZeroliteError('nothing to generate from: give a prompt (zerolite generate "Once upon a time") or --input FILE.jsonl')
+            if output is not None and input_file is not None and output.resolve() == input_file.resolve():
+                raise ZeroliteError(f"--output {output} is the --input file: write the completions elsewhere")
+            for target in (output, stats_json):
+                if target is not None and not target.parent.is_dir():
+                    raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
+            sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed=seed, chat=chat)
+            if draft is not None and batch_size not in (None, "1"):
+                raise ZeroliteError(f"--draft runs prompts one at a time (speculative decoding is for batch 1), and --batch-size "
+                                    f"is {batch_size}: leave out --batch-size, or leave out --draft to batch them")
+            options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+            return read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
+
+        todo, done, log = open_job(world, stack, read, output)
+        if output is not None and all(p.id in done for p in todo):
+            if world.leads:
+                stderr.print(f"every prompt already has its completion in {output}: nothing to do")
+            return
+        batch = 1 if draft is not None else options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+        if batch is not None:  # before minutes of loading (auto sizes are checked once known)
+            world.each(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
+        lm = stack.enter_context(options.load_model(load, world=world))
+
+        def show(batch) -> None:
+            if log is not None:
+                log.append(batch)
+                return
+            for c in batch:
+                typer.echo(((c.prompt or "") + c.completion if not chat else c.completion) if c.completion is not None else json.dumps(c.token_ids))
+
+        stats = generate_all(lm, todo, sampling, batch, show, done=done,
+                             on_start=lambda size, tokens: world.leads and show_plan(lm, size, tokens, chosen=batch is None))
+    if not world.leads:
+        return
+    if stats_json is not None:
+        write_atomically(stats_json, json.dumps(stats.to_dict(), indent=2) + "\n")
+    summary = stats.to_dict()
+    ranks = f" on {stats.ranks} ranks" if stats.ranks > 1 else ""
+    stderr.print(
+        f"[dim]{stats.new_tokens} new tokens for {len(todo)} prompt{'s' if len(todo) != 1 else ''}{ranks}; prefill {stats.prefill_s:.2f} s, decode "
+        f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s{' in all' if ranks else ''}), "
+        f"{stats.bytes_read / 1e9:.2f} GB read[/dim]",
+        soft_wrap=True,
+    )
+    if stats.experts is not None:
+        stderr.print(f"[dim]{summary_line(summary)}[/dim]", soft_wrap=True)
+    if stats.speculation is not None and stats.speculation.drafted:
+        spec = stats.speculation
+        stderr.print(f"[dim]draft: {spec.accepted} of {spec.drafted} guesses kept ({summary['acceptance_rate']:.0%}), "
+                     f"{summary['tokens_per_pass']:.2f} tokens per pass over the weights; {spec.draft_s:.2f} s drafting, "
+                     f"{spec.target_s:.2f} s in the model's passes[/dim]", soft_wrap=True)

@@ -1,0 +1,69 @@
+"""zerolite convert and zerolite inspect: making a layout, and looking into one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from zerolite.cli import options
+from zerolite.cli.app import app
+from zerolite.progress import stderr
+
+
+@app.command()
+def convert(
+    path: Annotated[Path, typer.Option("--path", help="Folder to write the layout into: a new or empty one, or a layout to bring up to date.")],
+    model: Annotated[
+        str | None,
+        typer.Argument(help="Model folder, .gguf file, or hub id in the local cache (default: the built-in SmolLM2-135M-Instruct)."),
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the config's dtype).")] = None,
+    weights: Annotated[str | None, typer.Option(help="int8 or int4: the decoder layers' Linear weights quantized, about "
+                                                     "0.5x (int8, one scale per output channel) or 0.28x (int4, a scale "
+                                                     "and zero point per group) of bf16's bytes per step (default: the layout's dtype).")] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", help="int4: input weights per scale and zero point, 32, "
+                                                   "64 or 128 (default 64; 32 keeps a GGUF Q4_0/Q4_1 source's values).")] = None,
+    allow_pickle: options.AllowPickle = False,
+) -> None:
+    """Convert a checkpoint into an aligned layout that zerolite streams at full disk speed."""
+    from zerolite.convert.paths import builtin_gguf
+    from zerolite.convert.writer import convert as run_convert
+
+    model = model or str(builtin_gguf())
+    manifest = run_convert(model, path, dtype=dtype, allow_pickle=allow_pickle, weights=weights, group_size=group_size)
+    kind = manifest.dtype + (f", {manifest.quantization['weights']} layer weights" if manifest.quantization else "")
+    print(f"{path}: {len(manifest.blocks)} blocks, {manifest.data_bytes / 1e9:.3f} GB of {kind}")
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="A layout folder written by zerolite convert.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Read every block and check its checksum.")] = False,
+) -> None:
+    """Show a layout's blocks; with --verify, read them all back and check their checksums."""
+    from zerolite.io.engine import IoEngine, aligned_empty
+    from zerolite.layout.folder import Layout
+    from zerolite.layout.store import DiskStore
+    from zerolite.progress import byte_progress
+
+    layout = Layout.open(path)
+    manifest = layout.manifest
+    table = Table(title=f"{path} ({manifest.model_type}, {manifest.dtype})")
+    for column in ("block", "offset", "bytes", "tensors"):
+        table.add_column(column, justify="right" if column != "block" else "left")
+    for block in manifest.blocks:
+        table.add_row(block.name, str(block.offset), f"{block.length:,}", str(len(block.tensors)))
+    typer.echo(f"{len(manifest.blocks)} blocks, {manifest.data_bytes / 1e9:.3f} GB, from {manifest.source['model']}")
+    if not verify:
+        stderr.print(table)
+        return
+    disk = DiskStore(layout, IoEngine())
+    buffer = aligned_empty(max(b.length for b in manifest.blocks))
+    with byte_progress("verifying", manifest.data_bytes, len(manifest.blocks)) as progress:
+        for block in manifest.blocks:
+            disk.read(block.name, buffer)
+            progress.advance(block.length)
+    typer.echo("every block matches its checksum")

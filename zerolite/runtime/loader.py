@@ -1,0 +1,98 @@
+"""How a layout becomes a model that runs: the layout opened on each rank's device, then budgets,
+one plan, the preflight, and the executor.
+
+    layout, device = open_layout(folder, dtype, policy, world)
+    executor = build_executor(layout, policy, device, world, show_progress, timeline)
+
+Every rank of a torchrun job calls these alike. Ranks agree through zerolite.dist.world's gathers,
+which pair up by their order alone: the gathers here must come in the same order on every rank,
+and reordering them hangs the job.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from zerolite.convert.writer import choose_dtype
+from zerolite.dist.world import World
+from zerolite.errors import ZeroliteError
+from zerolite.io.device import Device, cuda_available, cuda_device_count, resolve
+from zerolite.layout.folder import Layout
+from zerolite.layout.manifest import DTYPES
+from zerolite.progress import byte_progress
+from zerolite.runtime.budget import Budgets
+from zerolite.runtime.executor import Executor
+from zerolite.runtime.plan import Plan
+from zerolite.runtime.policy import Policy
+from zerolite.runtime.preflight import preflight
+from zerolite.runtime.timeline import Timeline
+
+
+def open_layout(folder, dtype: str | None, policy: Policy) -> Layout:
+    """The layout in folder, refused if it holds other weights than the dtype asked for."""
+    layout = Layout.open(folder)
+    if dtype is not None and DTYPES[layout.manifest.dtype] != choose_dtype(dtype, None):
+        raise ZeroliteError(f"layout {folder} holds {layout.manifest.dtype} weights, not {dtype}: "
+                            f"convert into another `path` with `dtype` {dtype}")
+    return layout
+
+
+def rank_device(policy: Policy, world: World) -> Device:
+    """The policy's device, each rank on its own GPU under torchrun: cuda is LOCAL_RANK's."""
+    spec = policy.device
+    if not isinstance(spec, str) or spec == "cpu" or world.local_size == 1:
+        return policy.target()
+    if spec.startswith("cuda:"):
+        raise ZeroliteError(f"`device` {spec} would put the {world.local_size} ranks of a node on one GPU: give `device` "
+                            "cuda, and each rank takes the GPU of its LOCAL_RANK")
+    if spec == "auto" and not cuda_available():
+        return policy.target()
+    count = cuda_device_count()
+    if world.local_rank >= count:
+        raise ZeroliteError(f"{world.local_size} ranks on this node but {count} GPU{'s' if count != 1 else ''}: give "
+                            f"torchrun --nproc-per-node {count} or less")
+    return resolve(f"cuda:{world.local_rank}")
+
+
+def build_executor(layout: Layout, policy: Policy, device: Device, world: World, show_progress: bool,
+                   timeline: Timeline, held_first: Callable[[], Policy] | None = None) -> Executor:
+    """The executor for layout on device, alike on every rank:
+
+    1. held_first (a draft, held whole) loads, and gives the policy to plan with; then each rank
+       measures what its device and host memory hold (Budgets)
+    2. one plan for every rank, from the smallest budgets: a node's host copy holds the same
+       layers for all of its ranks
+    3. each rank checks that the plan fits (preflight); the lead prints the warnings
+    4. the executor: resident blocks read and bound, hooks set
+    """
+    def budget() -> Budgets:
+        nonlocal policy
+        if held_first is not None:  # first, so that the default budgets see what it left
+            policy = held_first()
+        return Budgets.make(layout.manifest, policy, device, world.local_size)
+
+    measured = world.together(budget, "loading")
+    budgets = Budgets(min(b.device for b in measured), min(b.host for b in measured))
+    plan = Plan.make(layout.manifest, policy, budgets, device.pinned_cost, world.local_size)
+    warnings = world.each(lambda: preflight(layout, plan, policy, device, world.local_size), "checking memory")
+    for warning in warnings if world.leads else ():
+        print(f"zerolite: warning: {warning}", file=sys.stderr)
+
+    built = []  # this rank's, to close if another rank failed
+
+    def execute() -> None:
+        loaded = [layout.manifest.block(name) for name in plan.loaded]
+        with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
+            built.append(Executor(layout, policy, plan, device, progress, timeline, world))
+
+    try:
+        world.each(execute, "loading")
+    except BaseException:
+        for executor in built:
+            executor.close()
+        raise
+    executor = built[0]
+    if executor.experts_note and world.leads:
+        print(f"zerolite: {executor.experts_note}", file=sys.stderr)
+    return executor
