@@ -17,24 +17,31 @@ import torch
 from transformers import AutoConfig, DynamicCache
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
-from zerolite.io.device import Device
-from zerolite.spec.draft import (SELF_DRAFTS, check_draft_fits, check_same_vocabulary, draft_layout, draft_step_s,
-                            quantize_head, ring_depth)
 from zerolite.convert.resolve import ensure_layout
+from zerolite.dist.world import SINGLE, World
 from zerolite.errors import ZeroliteError
 from zerolite.hf import load_tokenizer, quiet_transformers
-from zerolite.runtime.executor import Executor
-from zerolite.runtime.loader import build_executor, open_layout, rank_device
-from zerolite.moe.counts import ExpertCounts
+from zerolite.io.device import Device
 from zerolite.io.engine import IoEngine
-from zerolite.runtime.kv_cache import PartialOffloadCache
 from zerolite.layout.folder import Layout
+from zerolite.moe.counts import ExpertCounts
+from zerolite.runtime.executor import Executor
+from zerolite.runtime.kv_cache import PartialOffloadCache
+from zerolite.runtime.loader import build_executor, open_layout, rank_device
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy, parse_size
-from zerolite.text import check_token_ids
-from zerolite.spec.decoding import Speculator, speculative_decoding
 from zerolite.runtime.timeline import NO_TIMELINE, Timeline
-from zerolite.dist.world import SINGLE, World
+from zerolite.spec.decoding import Speculator, speculative_decoding
+from zerolite.spec.draft import (
+    SELF_DRAFTS,
+    check_draft_fits,
+    check_same_vocabulary,
+    draft_layout,
+    draft_step_s,
+    quantize_head,
+    ring_depth,
+)
+from zerolite.text import check_token_ids
 
 
 class OffloadedLM:

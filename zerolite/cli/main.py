@@ -10,13 +10,16 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
+from zerolite.cli import (  # noqa: F401 (each registers its commands with app)
+    convert_commands,
+    generate_command,
+    profile_command,
+    serve_command,
+)
 from zerolite.cli.app import app
 from zerolite.cli.options import flag_words
 from zerolite.dist.world import RankFailed
 from zerolite.errors import ZeroliteError, describe
-
-# Each command registers itself with app on import; --help lists them in this order.
-from zerolite.cli import layout_commands, generate_command, profile_command, serve_command  # noqa: E402, F401, I001
 
 
 def main() -> None:

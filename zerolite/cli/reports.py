@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+
 def rank_totals(every: list[dict]) -> dict:
     """A torchrun profile's job: tokens/s and read rates add up over ranks running at once."""
     return {

@@ -41,7 +41,13 @@ def serve(
         import uvicorn  # noqa: F401
     except ImportError:
         raise ZeroliteError("zerolite serve needs FastAPI and uvicorn: pip install 'zerolite[serve]'") from None
-    from zerolite.serve.server import ServeSettings, bind, build_server, check_exposure, run_server
+    from zerolite.serve.server import (
+        ServeSettings,
+        bind,
+        build_server,
+        check_exposure,
+        run_server,
+    )
 
     if load["draft"] is not None or load["draft_group_size"] is not None:
         raise ZeroliteError("--draft is for generate: speculative decoding runs at batch 1, and serve batches its "

@@ -29,9 +29,10 @@ from transformers.core_model_loading import (
 )
 from transformers.modeling_utils import LoadStateDictConfig
 
-from zerolite.layout.blocks import BlockPartition, BlockSpec
+from zerolite.convert.gguf import gguf_as_folder
 from zerolite.errors import ZeroliteError
 from zerolite.hf import quiet_transformers
+from zerolite.layout.blocks import BlockPartition, BlockSpec
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -129,8 +130,6 @@ def resolve_model_folder(model: str | os.PathLike) -> Path:
     if path.is_dir():
         return path.resolve()
     if path.is_file() and path.suffix == ".gguf":
-        from zerolite.convert.gguf import gguf_as_folder
-
         return gguf_as_folder(path)
     if path.exists():
         raise ZeroliteError(f"{path} is a file, not a model folder: point MODEL at the folder holding config.json")

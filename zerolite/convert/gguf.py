@@ -15,6 +15,7 @@ from zerolite.convert.paths import cache_dir
 from zerolite.errors import ZeroliteError
 from zerolite.hf import quiet_transformers
 
+
 def gguf_as_folder(gguf: Path) -> Path:
     """A safetensors model folder (weights, config, tokenizer) made from gguf, once, in the cache."""
     stat = gguf.stat()

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from zerolite.errors import ZeroliteError
 
-
 BUILTIN_MODEL = "SmolLM2-135M-Instruct"
 
 

@@ -8,6 +8,7 @@ manifest is written last and atomically, so a layout without one is never taken 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -16,19 +17,38 @@ import shutil
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-import dataclasses
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from zerolite.layout.blocks import BlockPartition, module_path, partition, stored_tensors
-from zerolite.convert.checkpoint import DTYPE_CHOICES, Checkpoint, build_meta_model, iter_block_tensors, one_line
+from zerolite.convert.checkpoint import (
+    DTYPE_CHOICES,
+    Checkpoint,
+    build_meta_model,
+    iter_block_tensors,
+    one_line,
+)
+from zerolite.convert.paths import default_layout_path
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import aligned_empty
+from zerolite.layout.blocks import (
+    BlockPartition,
+    module_path,
+    partition,
+    stored_tensors,
+)
+from zerolite.layout.manifest import (
+    DATA_FILE,
+    MANIFEST,
+    BlockEntry,
+    ExpertArea,
+    Manifest,
+    TensorEntry,
+    pack,
+    pack_experts,
+)
 from zerolite.moe.experts import Experts, find_experts
-from zerolite.layout.manifest import DATA_FILE, MANIFEST, BlockEntry, ExpertArea, Manifest, TensorEntry, pack, pack_experts
-from zerolite.convert.paths import default_layout_path
 from zerolite.progress import byte_progress
 from zerolite.quant.quantize import LinearShape, WeightScheme, quantizable_linears
 

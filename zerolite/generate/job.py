@@ -15,11 +15,11 @@ import os
 from contextlib import ExitStack
 from pathlib import Path
 
-from zerolite.generate.run import RunStats, generate_all
-from zerolite.sampling import Sampling
+from zerolite.dist.world import World
 from zerolite.generate.outputs import CompletionLog
 from zerolite.generate.prompts import Prompt, read_prompts
-from zerolite.dist.world import World
+from zerolite.generate.run import RunStats, generate_all
+from zerolite.sampling import Sampling
 
 
 def open_job(world: World, stack: ExitStack, read, output: Path | None) -> tuple[list[Prompt], set, CompletionLog | None]:

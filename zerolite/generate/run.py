@@ -18,15 +18,25 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from zerolite.lm import OffloadedLM
-from zerolite.runtime.batching import largest_batch
 from zerolite.errors import ZeroliteError
+from zerolite.generate.prompts import Completion, Prompt
+from zerolite.lm import OffloadedLM
 from zerolite.moe.counts import ExpertCounts
 from zerolite.progress import token_progress
-from zerolite.generate.prompts import Completion, Prompt
+from zerolite.runtime.batching import largest_batch
 from zerolite.sampling import Sampling
-from zerolite.text import PromptError, check_ids, context_length, encode_chat, encode_text, end_token_ids, left_pad, pad_id
 from zerolite.spec.decoding import SpeculationStats
+from zerolite.text import (
+    PromptError,
+    check_ids,
+    context_length,
+    encode_chat,
+    encode_text,
+    end_token_ids,
+    left_pad,
+    pad_id,
+)
+
 
 @dataclass
 class RunStats:

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from zerolite.layout.blocks import module_path
 from zerolite.io.device import Device
 from zerolite.io.engine import ALIGNMENT, aligned_empty
+from zerolite.layout.blocks import module_path
 from zerolite.layout.manifest import DTYPES, ExpertArea, Manifest, TensorEntry, round_up
 from zerolite.layout.store import DiskStore
 

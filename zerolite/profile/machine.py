@@ -10,8 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from zerolite.io.device import Device
 from zerolite.errors import ZeroliteError
+from zerolite.io.device import Device
 from zerolite.io.engine import ALIGNMENT, IoEngine, aligned_empty
 from zerolite.layout.manifest import DATA_FILE, MANIFEST
 

@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from zerolite.lm import OffloadedLM
 from zerolite.generate.run import speculation_dict
-from zerolite.profile.machine import measure_host_to_device
 from zerolite.layout.manifest import DTYPES
-from zerolite.openmp import threads_may_spin
 from zerolite.layout.read_pass import read_pass
+from zerolite.lm import OffloadedLM
+from zerolite.openmp import threads_may_spin
+from zerolite.profile.machine import measure_host_to_device
 from zerolite.runtime.timeline import Span, Timeline
 
 WAITING = 0.15  # compute waiting less than this share of a step is not held up by transfers

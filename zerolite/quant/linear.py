@@ -19,11 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerolite.io.device import Device
 from zerolite.errors import ZeroliteError
-from zerolite.quant.int4_packing import Int4Packing, cpu_packing, unpack_int4
+from zerolite.io.device import Device
 from zerolite.layout.manifest import DTYPES, Manifest
-from zerolite.quant.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme, linear_shape, whole_groups
+from zerolite.quant.int4_packing import Int4Packing, cpu_packing, unpack_int4
+from zerolite.quant.quantize import (
+    SCALE_SUFFIX,
+    SCALE_ZERO_SUFFIX,
+    WeightScheme,
+    linear_shape,
+    whole_groups,
+)
 
 # From these many rows on, dequantise-then-matmul beats the kernel: the kernel's cost grows with
 # the rows far faster than a matmul's, while dequantising costs the same for one row as for many.

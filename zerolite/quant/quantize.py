@@ -32,7 +32,12 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from zerolite.errors import ZeroliteError
-from zerolite.quant.int4_packing import ROW_MULTIPLE, Int4Packing, cpu_packing, pack_int4
+from zerolite.quant.int4_packing import (
+    ROW_MULTIPLE,
+    Int4Packing,
+    cpu_packing,
+    pack_int4,
+)
 
 SCALE_SUFFIX = "_scale"             # int8: P.weight's scales are stored as P.weight_scale
 SCALE_ZERO_SUFFIX = "_scale_zero"   # int4: P.weight's scales and zero points as P.weight_scale_zero

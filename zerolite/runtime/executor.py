@@ -23,26 +23,26 @@ from torch import nn
 from transformers import AutoConfig, GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
-from zerolite.runtime.binding import BlockBinding
-from zerolite.layout.blocks import module_path
 from zerolite.convert.checkpoint import build_meta_model
+from zerolite.dist.node_copy import NodeCopy
+from zerolite.dist.world import SINGLE, World
 from zerolite.io.device import Device
+from zerolite.io.engine import IoEngine
+from zerolite.layout.blocks import module_path
+from zerolite.layout.folder import Layout
+from zerolite.layout.manifest import DTYPES
+from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.moe.cache import ExpertCache
 from zerolite.moe.counts import ExpertCounts
 from zerolite.moe.routing import ExpertRouting, streamed_per_expert
-from zerolite.io.engine import IoEngine
-from zerolite.layout.folder import Layout
-from zerolite.layout.manifest import DTYPES
-from zerolite.dist.node_copy import NodeCopy
+from zerolite.quant.linear import install as install_quantized_linears
+from zerolite.runtime.binding import BlockBinding
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
-from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.resident import load_resident
 from zerolite.runtime.schedule import Schedule
 from zerolite.runtime.slots import Slots
-from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.runtime.timeline import NO_TIMELINE
-from zerolite.dist.world import SINGLE, World
 
 GENERATION_CONFIG = "generation_config.json"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerolite.runtime.budget import Budgets
 from zerolite.layout.manifest import Manifest
+from zerolite.runtime.budget import Budgets
 from zerolite.runtime.policy import Policy
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from zerolite.io.device import Device, cuda_available, resolve
 from zerolite.errors import ZeroliteError
+from zerolite.io.device import Device, cuda_available, resolve
 
 OFFLOAD_CHOICES = ("nvme", "cpu", "none")
 EXPERTS_CHOICES = ("routed", "whole")

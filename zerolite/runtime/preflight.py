@@ -11,8 +11,8 @@ import os
 
 import psutil
 
-from zerolite.io.device import Device
 from zerolite.errors import ZeroliteError
+from zerolite.io.device import Device
 from zerolite.layout.folder import Layout
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy

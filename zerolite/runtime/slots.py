@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerolite.io.device import Device
 from zerolite.errors import ZeroliteError
-from zerolite.moe.cache import ExpertCache
+from zerolite.io.device import Device
 from zerolite.layout.manifest import Manifest
 from zerolite.layout.store import DiskStore, MemoryStore
+from zerolite.moe.cache import ExpertCache
 from zerolite.runtime.timeline import NO_TIMELINE
 
 

@@ -23,11 +23,32 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from zerolite.serve.engine_loop import EngineLoop, Failed, Finished, QueueFull, ShuttingDown, Tokens
+from zerolite.serve.engine_loop import (
+    EngineLoop,
+    Failed,
+    Finished,
+    QueueFull,
+    ShuttingDown,
+    Tokens,
+)
 from zerolite.serve.engine_loop import Request as Job
 from zerolite.serve.metrics import ServeMetrics
-from zerolite.serve.protocol import (BadRequest, ChatRequest, CompletionRequest, ServedModel, chat_prompt, check_model,
-                                     completion_prompts, error_body, model_card, new_id, now, parse, sequences, usage)
+from zerolite.serve.protocol import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    ServedModel,
+    chat_prompt,
+    check_model,
+    completion_prompts,
+    error_body,
+    model_card,
+    new_id,
+    now,
+    parse,
+    sequences,
+    usage,
+)
 
 DISCONNECT_POLL_S = 0.5    # how often a whole answer's wait looks for a client gone away
 BODY_TIMEOUT_S = 30.0      # for a request body to arrive whole (a client that stops sending holds nothing longer)

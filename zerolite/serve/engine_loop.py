@@ -27,8 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from zerolite.errors import describe
-from zerolite.serve.running_batch import Row, RunningBatch
 from zerolite.serve.metrics import ServeMetrics
+from zerolite.serve.running_batch import Row, RunningBatch
 from zerolite.serve.step_budget import StepBudget
 from zerolite.serve.text_stream import TextStream
 from zerolite.serve.token_choice import TokenChoice

@@ -36,8 +36,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from zerolite.errors import ZeroliteError
-from zerolite.text import pad_id
 from zerolite.runtime.kv_cache import PartialOffloadCache
+from zerolite.text import pad_id
 
 
 @dataclass(eq=False)

@@ -23,15 +23,15 @@ from pathlib import Path
 
 import uvicorn
 
-from zerolite.runtime.batching import largest_batch
-from zerolite.serve.engine_loop import EngineLoop
 from zerolite.errors import ZeroliteError
-from zerolite.text import context_length, end_token_ids
-from zerolite.serve.running_batch import cache_columns_limit
+from zerolite.runtime.batching import largest_batch
 from zerolite.serve.app import build_app, is_loopback
+from zerolite.serve.engine_loop import EngineLoop
 from zerolite.serve.metrics import ServeMetrics
 from zerolite.serve.protocol import ServedModel
+from zerolite.serve.running_batch import cache_columns_limit
 from zerolite.serve.step_budget import START as STEP_BUDGET_START
+from zerolite.text import context_length, end_token_ids
 
 AUTO_BATCH_CAP = 64            # --max-batch auto: no more rows than this, whatever the memory holds
 DEFAULT_CONTEXT = 2048         # for a model whose config names no context length (BLOOM's ALiBi)

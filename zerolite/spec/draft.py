@@ -24,16 +24,19 @@ from pathlib import Path
 import psutil
 import torch
 
-from zerolite.runtime.budget import reserve
+from zerolite.convert.resolve import ensure_layout
 from zerolite.convert.writer import convert
-from zerolite.io.device import Device
 from zerolite.errors import ZeroliteError
+from zerolite.hf import load_tokenizer
+from zerolite.io.device import Device
 from zerolite.layout.folder import Layout
-from zerolite.runtime.policy import Policy
-from zerolite.quant.quantize import SCALE_SUFFIX, quantize_int8
-from zerolite.quant.linear import Int8Linear
 from zerolite.layout.read_pass import read_pass
+from zerolite.quant.linear import Int8Linear
+from zerolite.quant.quantize import SCALE_SUFFIX, quantize_int8
+from zerolite.runtime.budget import reserve
+from zerolite.runtime.policy import Policy
 from zerolite.spec.decoding import LONGEST_DRAFT, one_thread
+
 SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
 DRAFT_GROUP_SIZE = 32
 RATE_PROBE_BYTES = 256 << 20  # read twice at load to size the ring: a few tenths of a second
@@ -41,8 +44,6 @@ RATE_PROBE_BYTES = 256 << 20  # read twice at load to size the ring: a few tenth
 
 def draft_layout(spec: str, target: Layout, group_size: int | None, show_progress: bool) -> Path:
     """The folder of the draft's layout, converted first where it is a self-draft or a checkpoint."""
-    from zerolite.convert.resolve import ensure_layout
-
     if spec not in SELF_DRAFTS:
         if group_size is not None:
             raise ZeroliteError("`draft_group_size` is for self-int4 drafts: leave it out with `draft` PATH")
@@ -145,8 +146,6 @@ def check_same_vocabulary(tokenizer, config, draft: Path) -> None:
     """A draft must speak the target's tokens (tokenizer and config: the target's, as loaded): the
     same tokenizer vocabulary, or, where the layouts carry no tokenizer, the same vocabulary size."""
     from transformers import AutoConfig
-
-    from zerolite.hf import load_tokenizer
 
     theirs = load_tokenizer(draft)
     if tokenizer is not None and theirs is not None:
