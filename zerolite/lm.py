@@ -250,11 +250,11 @@ def load(
     convert_s = time.perf_counter() - started
 
     started = time.perf_counter()
-    draft_lm, guess_s, executor, layout, target, tokenizer = None, None, None, None, None, None
+    draft_lm, guess_s, layout, target, tokenizer = None, None, None, None, None
     try:
         def prepare() -> None:
             nonlocal layout, target, tokenizer
-            layout = open_layout(layout_folder, dtype, policy)
+            layout = open_layout(layout_folder, dtype)
             target = rank_device(policy, world)
             if world.distributed:  # what transformers allocates on "cuda" lands on this rank's GPU, not GPU 0
                 target.adopt_thread()

@@ -54,17 +54,15 @@ def check_ids(ids, vocab_size: int) -> None:
 
 
 def check_token_ids(config, input_ids) -> None:
-    """An id past the vocabulary is checked here, on the host: on a GPU it would be a device-side
-    assert, which poisons the CUDA context, and the recovery would then raise a second error that
-    hides the first."""
+    """check_ids for a tensor of ids, on the host: on a GPU an id past the vocabulary would be a
+    device-side assert, which poisons the CUDA context, and the recovery would then raise a second
+    error that hides the first."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.numel() == 0:
         return
-    vocab = config.get_text_config().vocab_size
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab:
-        bad = high if high >= vocab else low
-        raise ZeroliteError(f"`input_ids` hold token id {bad}, but the model's vocabulary has ids 0 to {vocab - 1}: "
-                            "check the prompt's ids")
+    try:
+        check_ids((int(input_ids.min()), int(input_ids.max())), config.get_text_config().vocab_size)
+    except PromptError as e:
+        raise ZeroliteError(f"`input_ids`: {e}: check the prompt's ids") from None
 
 
 def context_length(config) -> int | None:

@@ -1,7 +1,7 @@
 """How a layout becomes a model that runs: the layout opened on each rank's device, then budgets,
 one plan, the preflight, and the executor.
 
-    layout, device = open_layout(folder, dtype, policy, world)
+    layout, device = open_layout(folder, dtype), rank_device(policy, world)
     executor = build_executor(layout, policy, device, world, show_progress, timeline)
 
 Every rank of a torchrun job calls these alike. Ranks agree through zerolite.dist.world's gathers,
@@ -29,7 +29,7 @@ from zerolite.runtime.preflight import preflight
 from zerolite.runtime.timeline import Timeline
 
 
-def open_layout(folder, dtype: str | None, policy: Policy) -> Layout:
+def open_layout(folder, dtype: str | None) -> Layout:
     """The layout in folder, refused if it holds other weights than the dtype asked for."""
     layout = Layout.open(folder)
     if dtype is not None and DTYPES[layout.manifest.dtype] != choose_dtype(dtype, None):
