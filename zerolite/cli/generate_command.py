@@ -48,10 +48,12 @@ def generate(
     from zerolite.sampling import Sampling
 
     world = start_world({k: v for k, v in given.items() if k not in RANK_ZEROS_OWN})
-    sampling = None
+
+    def sampling() -> Sampling:
+        return Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed=seed, chat=chat)
+
     with ExitStack() as stack:
-        def read() -> list:
-            nonlocal sampling
+        def read() -> list:  # on rank 0 alone
             if prompts and input_file is not None:
                 raise ZeroliteError("give prompts as arguments or --input FILE, not both")
             if not prompts and input_file is None:
@@ -61,7 +63,7 @@ def generate(
             for target in (output, stats_json):
                 if target is not None and not target.parent.is_dir():
                     raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
-            sampling = Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed=seed, chat=chat)
+            sampling()  # its checks, before the prompts are read
             if draft is not None and batch_size not in (None, "1"):
                 raise ZeroliteError(f"--draft runs prompts one at a time (speculative decoding is for batch 1), and --batch-size "
                                     f"is {batch_size}: leave out --batch-size, or leave out --draft to batch them")
@@ -85,7 +87,7 @@ def generate(
             for c in batch:
                 typer.echo(((c.prompt or "") + c.completion if not chat else c.completion) if c.completion is not None else json.dumps(c.token_ids))
 
-        stats = generate_all(lm, todo, sampling, batch, show, done=done,
+        stats = generate_all(lm, todo, sampling(), batch, show, done=done,
                              on_start=lambda size, tokens: world.leads and show_plan(lm, size, tokens, chosen=batch is None))
     if not world.leads:
         return
