@@ -1,15 +1,18 @@
-"""Running the command line inside the test process, and checking its one-line errors."""
+"""Running the command line and the tools inside the test process, and checking one-line errors."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 
 from zerolite.cli import main as cli
 
 Result = namedtuple("Result", "code stdout stderr")
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
 def run(capsys, monkeypatch, *args: str) -> Result:
@@ -19,6 +22,23 @@ def run(capsys, monkeypatch, *args: str) -> Result:
         cli.main()
     out, err = capsys.readouterr()
     return Result(exit_info.value.code, out, err)
+
+
+def run_tool(capsys, monkeypatch, name: str, *args: str) -> Result:
+    """tools/NAME.py run in this process as `python tools/NAME.py ARGS` runs it: its exit code,
+    with sys.exit("message")'s message on stderr as the interpreter would print it."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *map(str, args)])
+    code = 0
+    try:
+        importlib.import_module(name).main()
+    except SystemExit as exit:
+        code = exit.code
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+            code = 1
+    out, err = capsys.readouterr()
+    return Result(code or 0, out, err)
 
 
 PLAN_LINES = ("plan: ", "K/V cache: ", "bound: ", "batch size: ")

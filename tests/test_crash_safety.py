@@ -15,6 +15,8 @@ import time
 import pytest
 
 from cli_runner import assert_one_line_error, run
+from helpers import generate_args, lines_by_id
+from zerolite.io.engine import FAULT_VARIABLE
 
 LAYERS = 6
 PROMPTS = 24
@@ -39,29 +41,23 @@ def prompts(tmp_path):
     return path
 
 
-def generate_args(layout, prompts, output) -> list[str]:
-    return [ZEROLITE, "generate", "--model", str(layout), "--device", "cpu", "--input", str(prompts), "--output", str(output),
-            "--batch-size", str(BATCH), "--max-new-tokens", str(NEW_TOKENS), "--cpu-memory", "0"]
+def streamed(layout, prompts, output) -> list[str]:
+    """generate's arguments here: every layer streamed from disk."""
+    return generate_args(layout, prompts, output, "--cpu-memory", "0", batch=BATCH, new_tokens=NEW_TOKENS)
 
 
-def lines_by_id(output) -> dict:
-    records = [json.loads(line) for line in output.read_text().splitlines()]
-    ids = [r["id"] for r in records]
-    assert len(ids) == len(set(ids)), "an id appears twice"
-    return {r["id"]: r for r in records}
-
-
-def test_sigkill_at_random_moments_then_rerun_loses_and_repeats_nothing(tmp_path, layout, prompts):
+def test_sigkill_at_random_moments_then_rerun_loses_and_repeats_nothing(capsys, monkeypatch, tmp_path, layout, prompts):
+    """The runs killed are processes of their own; the reference and the rerun run in this one."""
     reference = tmp_path / "reference.jsonl"
-    subprocess.run(generate_args(layout, prompts, reference), check=True, capture_output=True)
-    expected = lines_by_id(reference)
+    assert run(capsys, monkeypatch, *streamed(layout, prompts, reference)).code == 0
+    expected = lines_by_id(reference, parsed=True)
     assert len(expected) == PROMPTS
 
     output = tmp_path / "out.jsonl"
     rng = random.Random(7)
     kills = 0
     for _ in range(6):
-        process = subprocess.Popen(generate_args(layout, prompts, output), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen([ZEROLITE, *streamed(layout, prompts, output)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(1.5, 5.0))  # inside start-up, or somewhere among the batches
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
@@ -69,18 +65,18 @@ def test_sigkill_at_random_moments_then_rerun_loses_and_repeats_nothing(tmp_path
         process.wait()
         if output.exists():
             assert output.read_bytes().count(b"\n") <= PROMPTS
-    subprocess.run(generate_args(layout, prompts, output), check=True, capture_output=True)
+    assert run(capsys, monkeypatch, *streamed(layout, prompts, output)).code == 0
     assert kills >= 3, "the runs finished before they could be killed: the test proves nothing"
-    assert lines_by_id(output) == expected
+    assert lines_by_id(output, parsed=True) == expected
     assert output.read_text().endswith("\n")
 
 
-def test_a_torn_last_line_is_redone(tmp_path, layout, prompts):
+def test_a_torn_last_line_is_redone(capsys, monkeypatch, tmp_path, layout, prompts):
     output = tmp_path / "out.jsonl"
-    subprocess.run(generate_args(layout, prompts, output), check=True, capture_output=True)
+    assert run(capsys, monkeypatch, *streamed(layout, prompts, output)).code == 0
     whole = output.read_bytes()
     output.write_bytes(whole[: len(whole) - 40])  # a crash in the middle of the last write
-    subprocess.run(generate_args(layout, prompts, output), check=True, capture_output=True)
+    assert run(capsys, monkeypatch, *streamed(layout, prompts, output)).code == 0
     assert output.read_bytes() == whole
 
 
@@ -88,7 +84,7 @@ def test_a_second_writer_of_the_same_output_is_refused(capsys, monkeypatch, tmp_
     output = tmp_path / "out.jsonl"
     with open(output, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running zerolite holds it
-        result = run(capsys, monkeypatch, *generate_args(layout, prompts, output)[1:])
+        result = run(capsys, monkeypatch, *streamed(layout, prompts, output))
     assert_one_line_error(result, "another zerolite is writing --output")
     assert output.read_bytes() == b""
 
@@ -96,20 +92,20 @@ def test_a_second_writer_of_the_same_output_is_refused(capsys, monkeypatch, tmp_
 def test_an_output_that_is_some_other_file_is_left_alone(capsys, monkeypatch, tmp_path, layout, prompts):
     output = tmp_path / "notes.txt"
     output.write_text("my notes\n")
-    result = run(capsys, monkeypatch, *generate_args(layout, prompts, output)[1:])
+    result = run(capsys, monkeypatch, *streamed(layout, prompts, output))
     assert_one_line_error(result, "is not a zerolite completion", "choose another --output")
     assert output.read_text() == "my notes\n"
 
 
 @pytest.mark.parametrize(("fault", "cause"), [("eio@3", "Input/output error"), ("short@3", "short read"),
                                                ("eio@400", "Input/output error"), ("short@400", "short read")])
-def test_io_faults_inside_the_engine_end_in_one_clear_line(tmp_path, layout, prompts, fault, cause):
-    """@3: while loading the resident blocks; @400: while streaming layers."""
-    env = dict(os.environ, ZEROLITE_INJECT_IO_FAULT=fault)
+def test_io_faults_inside_the_engine_end_in_one_clear_line(capsys, monkeypatch, tmp_path, layout, prompts, fault, cause):
+    """@3: while loading the resident blocks; @400: while streaming layers. (The engine reads the
+    fault when it starts, so this process will do.)"""
+    monkeypatch.setenv(FAULT_VARIABLE, fault)
     output = tmp_path / "out.jsonl"
-    done = subprocess.run(generate_args(layout, prompts, output), capture_output=True, text=True, env=env, timeout=120,
-                          check=False)
-    assert done.returncode == 1
+    done = run(capsys, monkeypatch, *streamed(layout, prompts, output))
+    assert done.code == 1
     # The plan may come first when the fault strikes after loading; the error is one line, the last.
     errors = [line for line in done.stderr.splitlines() if line.startswith("zerolite: error:")]
     assert len(errors) == 1 and done.stderr.splitlines()[-1] == errors[0] and "Traceback" not in done.stderr, done.stderr
@@ -134,7 +130,7 @@ def test_a_file_system_filling_up_during_convert(capsys, monkeypatch, tmp_path, 
         assert_one_line_error(result, "ran out of space")
         assert not (mount / "layout" / "manifest.json").exists()
         subprocess.run(["mount", "-o", "remount,size=128m", str(mount)], check=True)
-        subprocess.run([ZEROLITE, "convert", str(source), "--path", str(mount / "layout")], check=True, capture_output=True)
+        assert run(capsys, monkeypatch, "convert", source, "--path", mount / "layout").code == 0
         assert (mount / "layout" / "manifest.json").exists()
     finally:
         subprocess.run(["umount", str(mount)], check=True)
@@ -153,7 +149,7 @@ def test_a_layout_altered_after_convert_is_caught_before_its_bytes_are_used(caps
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0x01]))
-    result = run(capsys, monkeypatch, *generate_args(altered, prompts, tmp_path / "out.jsonl")[1:])
+    result = run(capsys, monkeypatch, *streamed(altered, prompts, tmp_path / "out.jsonl"))
     assert_one_line_error(result, f"block {block}", "fails its checksum", "weights.bin", "convert the model again",
                           after_plan=True)
 

@@ -7,13 +7,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zerolite
+from helpers import PAD, greedy
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 LAYERS = 6  # more than the deepest ring tested, so slots are refilled and reads wrap around
 NEW_TOKENS = 10
-PAD = 0
 
 # One prompt alone, then a batch of prompts of different lengths, left-padded.
 SINGLE = [[5, 17, 33, 9]]
@@ -34,21 +34,6 @@ MORE_SETUPS = {
 }
 
 
-def left_padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return {"input_ids": ids, "attention_mask": mask}
-
-
-def greedy(model_or_lm, rows: list[list[int]], device):
-    inputs = {k: v.to(reference_device(device)) for k, v in left_padded(rows).items()}
-    return model_or_lm.generate(
-        **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD,
-        output_logits=True, return_dict_in_generate=True,
-    )
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, make_source, make_layout):
     return layout_and_reference(request.param, make_source, make_layout)
@@ -67,7 +52,7 @@ def layout_and_reference(arch: str, make_source, make_layout):
             with torch.no_grad():
                 for param in model.parameters():
                     param.data = param.data.clone()
-            references[device] = [greedy(model, rows, device) for rows in (SINGLE, BATCH)]
+            references[device] = [greedy(model, rows, NEW_TOKENS, logits=True, device=device) for rows in (SINGLE, BATCH)]
         return references[device]
 
     return make_layout(arch, layers=LAYERS), reference
@@ -96,7 +81,7 @@ def check_equal(tiny, setup: dict, depth: int, device) -> None:
     setup = {key: half_the_layers(layout, key) if value == "half" else value for key, value in setup.items()}
     with zerolite.load(layout, device=device, prefetch_depth=depth, show_progress=False, **setup) as lm:
         for expected, rows in zip(reference(reference_device(device)), (SINGLE, BATCH)):
-            assert_same_generation(expected, greedy(lm, rows, device))
+            assert_same_generation(expected, greedy(lm, rows, NEW_TOKENS, logits=True, device=reference_device(device)))
 
 
 def test_the_tiny_models_do_not_repeat_one_token(tiny):
@@ -137,11 +122,11 @@ def test_streaming_reads_every_layer_each_forward_and_nothing_when_resident(tiny
     layout, _ = tiny
     with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=1, show_progress=False) as lm:
         layer_bytes = sum(b.length for b in lm.layout.blocks if b.name.startswith("layers."))
-        forwards = greedy(lm, SINGLE, "cpu").sequences.shape[1] - len(SINGLE[0])  # fewer on an end token
+        forwards = greedy(lm, SINGLE, NEW_TOKENS, logits=True).sequences.shape[1] - len(SINGLE[0])  # fewer on an end token
         assert lm.bytes_read == forwards * layer_bytes
     for offload in ("cpu", "none"):
         with zerolite.load(layout, offload=offload, device="cpu", show_progress=False) as lm:
-            greedy(lm, SINGLE, "cpu")
+            greedy(lm, SINGLE, NEW_TOKENS, logits=True)
             assert lm.bytes_read == 0
 
 
@@ -157,9 +142,9 @@ def test_a_failed_forward_leaves_the_model_usable(tiny):
         layer = lm.model.get_submodule(f"{lm.layout.manifest.layers_path}.2")
         hook = layer.register_forward_pre_hook(fail)  # after the executor's: the layer's slot is taken
         with pytest.raises(RuntimeError, match="a layer failed"):
-            greedy(lm, SINGLE, "cpu")
+            greedy(lm, SINGLE, NEW_TOKENS, logits=True)
         hook.remove()
-        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
+        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, NEW_TOKENS, logits=True))
 
 
 def test_generate_takes_transformers_generation_arguments(tiny):

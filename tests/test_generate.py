@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cli_runner import assert_one_line_error, run
+from helpers import greedy
 from tiny_models import save_tiny_model
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -41,12 +42,9 @@ def write_jsonl(path, rows) -> str:
 def transformers_tokens(source, batch: list[list[int]]) -> list[list[int]]:
     """transformers' greedy tokens for one left-padded batch, cut after the end token."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    width = max(map(len, batch))
-    ids = torch.tensor([[0] * (width - len(r)) + r for r in batch])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch])
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    out = greedy(model, batch, NEW_TOKENS)
     rows = []
-    for row in out[:, width:].tolist():
+    for row in out[:, max(map(len, batch)):].tolist():
         rows.append(row[: row.index(2) + 1] if 2 in row else row)  # 2: the tiny models' end token
     return rows
 
@@ -89,7 +87,8 @@ def test_the_plan_shows_the_batch_that_runs_not_the_batch_size_option(capsys, mo
 
 def test_a_resumed_run_announces_the_largest_batch_left_and_its_longest_sequence(layout):
     import zerolite
-    from zerolite.generate.run import Sampling, generate_all
+    from zerolite.generate.run import generate_all
+    from zerolite.sampling import Sampling
     from zerolite.generate.prompts import Prompt
 
     prompts = [Prompt(f"p{i}", None, tuple(ids)) for i, ids in enumerate(PROMPTS)]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import zerolite
-from test_executor import BATCH, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal, greedy, layout_and_reference
+from helpers import greedy
+from test_executor import BATCH, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal, layout_and_reference
 from tiny_models import MOE_SHAPES
 from zerolite.errors import ZeroliteError
 from zerolite.moe.experts import find_experts
@@ -80,7 +81,7 @@ def test_a_step_reads_the_dense_parts_and_the_routed_experts_exactly(tiny):
     with zerolite.load(layout, prefetch_depth=1, **NVME) as lm:
         forwards = record_routing(lm)
         before = lm.bytes_read
-        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, "cpu"))
+        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
         read = lm.bytes_read - before
         expected = sum(block.dense_length + len(routed) * block.experts.stride
                        for layers in forwards for block, routed in zip(blocks, layers, strict=True))
@@ -94,7 +95,7 @@ def test_whole_streams_every_expert_and_gives_the_same_tokens(tiny):
     layout, reference = tiny
     blocks = [b for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.")]
     with zerolite.load(layout, prefetch_depth=1, experts="whole", **NVME) as lm:
-        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
+        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, NEW_TOKENS, logits=True))
         assert lm.bytes_read == NEW_TOKENS * sum(b.length for b in blocks)
         assert lm.expert_counts().expert_bytes == 0
 
@@ -110,13 +111,13 @@ def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch
     stride = blocks[0].experts.stride
     with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
         forwards = record_routing(lm)
-        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, "cpu"))
+        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
         counts = lm.expert_counts()
         assert counts.guessed > 0 and 0 < counts.guessed_right <= counts.guessed
         routed = sum(block.dense_length + len(experts) * stride
                      for layers in forwards for block, experts in zip(blocks, layers, strict=True))
         assert lm.bytes_read == routed + counts.early_unused * stride + blocks[0].dense_length
-        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
+        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, NEW_TOKENS, logits=True))
 
 
 @pytest.mark.parametrize("arch", list(MOE_SHAPES))
@@ -126,7 +127,7 @@ def test_one_tokens_two_experts_computed_apart_equal_one_call_bit_for_bit(arch, 
     of the layers streamed whole (one call of the experts module per layer) bit for bit."""
     layout = make_layout(arch, layers=4, dtype="bf16")
     with zerolite.load(layout, prefetch_depth=2, experts="whole", **NVME) as lm:
-        whole = greedy(lm, SINGLE, "cpu")
+        whole = greedy(lm, SINGLE, NEW_TOKENS, logits=True)
     first_here = Slots.first_here
     apart = []
 
@@ -136,7 +137,7 @@ def test_one_tokens_two_experts_computed_apart_equal_one_call_bit_for_bit(arch, 
 
     monkeypatch.setattr(Slots, "first_here", other_still_reading)
     with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
-        split = greedy(lm, SINGLE, "cpu")
+        split = greedy(lm, SINGLE, NEW_TOKENS, logits=True)
     assert len(apart) >= NEW_TOKENS - 1  # the decode steps' layers whose token picked two experts
     assert torch.equal(split.sequences, whole.sequences)
     assert all(torch.equal(a, b) for a, b in zip(split.logits, whole.logits, strict=True))
@@ -150,7 +151,7 @@ def test_the_expert_cache_serves_experts_read_before(tiny):
     with zerolite.load(layout, prefetch_depth=2, **{**NVME, "cpu_memory": 6 * stride}) as lm:
         assert lm.plan.in_memory == () and lm.plan.expert_cache == 6 * stride
         for expected, rows in zip(reference("cpu"), (SINGLE, BATCH)):
-            assert_same_generation(expected, greedy(lm, rows, "cpu"))
+            assert_same_generation(expected, greedy(lm, rows, NEW_TOKENS, logits=True))
         counts = lm.expert_counts()
         assert 0 < counts.cache_hits < counts.cache_lookups
 
@@ -171,7 +172,7 @@ def test_a_damaged_expert_is_refused_by_its_checksum(tiny, tmp_path):
                     data.write(bytes([byte[0] ^ 0xFF]))
     with zerolite.load(copy, prefetch_depth=2, **NVME) as lm:
         with pytest.raises(ZeroliteError, match=r"expert \d+\) of layout .* fails its checksum"):
-            greedy(lm, SINGLE, "cpu")
+            greedy(lm, SINGLE, NEW_TOKENS, logits=True)
 
 
 def test_experts_not_called_with_their_routing_stream_whole_with_one_line(make_source, make_layout, capsys):
@@ -179,7 +180,7 @@ def test_experts_not_called_with_their_routing_stream_whole_with_one_line(make_s
     layout, reference = layout_and_reference("jetmoe", make_source, make_layout)
     with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
         assert lm.executor.per_expert == frozenset()
-        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, "cpu"))
+        assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, NEW_TOKENS, logits=True))
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["zerolite: jetmoe's layers stream whole, every expert at every step: its experts module "
                      "(JetMoeParallelExperts) is not called with the router's choice"]
@@ -188,5 +189,5 @@ def test_experts_not_called_with_their_routing_stream_whole_with_one_line(make_s
 
 def test_an_unknown_experts_choice_is_one_clear_error(tiny):
     layout, _ = tiny
-    with pytest.raises(ZeroliteError, match="unknown --experts 'some': choose one of routed, whole"):
+    with pytest.raises(ZeroliteError, match="unknown `experts` 'some': choose one of routed, whole"):
         zerolite.load(layout, experts="some", **NVME)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +13,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import zerolite
+from cli_runner import TOOLS, run_tool
 from tiny_models import VOCAB, save_ascii_tokenizer
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
 from perplexity import perplexity, windows  # noqa: E402  (importable once the path above is set)
 
@@ -74,14 +72,13 @@ def test_one_window_is_cross_entropy_over_the_shifted_logits(make_source):
     assert perplexity(model, ids).perplexity == pytest.approx(expected, rel=1e-5)
 
 
-def test_the_tool_runs_end_to_end_and_agrees_with_transformers(make_source, tmp_path):
+def test_the_tool_runs_end_to_end_and_agrees_with_transformers(capsys, monkeypatch, make_source, tmp_path):
     source = make_source(max_position_embeddings=64, fresh=True)
     save_ascii_tokenizer(source)
     figures = tmp_path / "quality.json"
-    done = subprocess.run([sys.executable, str(TOOLS / "quality.py"), "--model", str(source), "--path", str(tmp_path / "layouts"),
-                           "--tokens", "150", "--weights", "int8,int4-g32,int4-g64", "--reference", "--json", str(figures)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    done = run_tool(capsys, monkeypatch, "quality", "--model", source, "--path", tmp_path / "layouts", "--tokens", "150",
+                    "--weights", "int8,int4-g32,int4-g64", "--reference", "--json", figures)
+    assert done.code == 0, done.stderr
     rows = {row["variant"]: row for row in json.loads(figures.read_text())["variants"]}
     assert list(rows) == ["base", "int8", "int4-g32", "int4-g64", "transformers (reference)"]
     assert rows["base"]["layer_bytes"] > 0 and rows["base"]["change_pct"] == 0

@@ -16,6 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 import zerolite
 import zerolite.quant.linear
+from helpers import greedy, left_padded
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
 from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
@@ -29,15 +30,10 @@ ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 SCHEMES = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=32)}
 LAYERS = 4
 NEW_TOKENS = 10
-PROMPTS = torch.tensor([[5, 17, 33, 9, 44, 61, 70], [0, 0, 0, 0, 0, 12, 90]])
-MASK = torch.tensor([[1] * 7, [0] * 5 + [1] * 2])
+ROWS = [[5, 17, 33, 9, 44, 61, 70], [12, 90]]
+PROMPTS, MASK = left_padded(ROWS).values()
 MIN_COSINE = 0.999
 MIN_AGREEMENT = 0.99
-
-
-def greedy(model_or_lm):
-    return model_or_lm.generate(input_ids=PROMPTS, attention_mask=MASK, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                pad_token_id=0, output_logits=True, return_dict_in_generate=True)
 
 
 def dequantised_reference(source, layout, dtype=torch.float32):
@@ -71,7 +67,7 @@ def quantized(request, make_source, make_layout):
     arch, scheme = request.param
     source = make_source(arch, layers=LAYERS)
     layout = make_layout(arch, layers=LAYERS, **SCHEMES[scheme])
-    return layout, greedy(dequantised_reference(source, layout))
+    return layout, greedy(dequantised_reference(source, layout), ROWS, NEW_TOKENS, logits=True)
 
 
 def assert_close_to_reference(expected, got) -> None:
@@ -95,7 +91,7 @@ def test_quantized_layout_matches_its_dequantised_weights_on_cpu(quantized, setu
         monkeypatch.setattr(zerolite.quant.linear, "DEQUANTIZE_ROWS", dequantize_rows)
         with zerolite.load(layout, device="cpu", show_progress=False, **setup) as lm:
             assert any(isinstance(m, QuantizedLinear) for m in lm.model.modules())
-            assert_close_to_reference(expected, greedy(lm))
+            assert_close_to_reference(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True))
 
 
 def teacher_forced_logits(model: torch.nn.Module, sequences: torch.Tensor) -> torch.Tensor:
@@ -113,7 +109,7 @@ def test_int4_kernel_in_bf16_adds_no_more_error_than_bf16_itself(arch, make_sour
     source = make_source(arch, layers=LAYERS)
     layout = make_layout(arch, layers=LAYERS, dtype="bf16", **SCHEMES["int4"])
     reference = dequantised_reference(source, layout)
-    sequences = greedy(reference).sequences
+    sequences = greedy(reference, ROWS, NEW_TOKENS, logits=True).sequences
     expected = teacher_forced_logits(reference, sequences)
     bf16_error = (teacher_forced_logits(dequantised_reference(source, layout, torch.bfloat16), sequences)
                   - expected).abs().max()
@@ -149,7 +145,7 @@ def test_quantized_layout_matches_its_dequantised_weights_on_a_gpu(quantized, gp
     """The GPU path: the quantized bytes cross to the device, where they are dequantised for the matmul."""
     layout, expected = quantized
     with zerolite.load(layout, device=gpu, offload="nvme", cpu_memory=0, gpu_memory=0, show_progress=False) as lm:
-        assert_close_to_reference(expected, greedy(lm))
+        assert_close_to_reference(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True))
 
 
 @pytest.mark.parametrize(("weights", "group_size", "most"), [("int8", None, 0.55), ("int4", 64, 0.30)])
@@ -163,7 +159,7 @@ def test_quantized_layers_move_a_fraction_of_bf16s_bytes_per_step(make_source, t
     ratio = quantized.nbytes(quantized.layer_names) / base.nbytes(base.layer_names)
     assert ratio <= most, ratio
     with zerolite.load(tmp_path / weights, device="cpu", cpu_memory=0, prefetch_depth=1, show_progress=False) as lm:
-        greedy(lm)  # depth 1: nothing is read ahead, so each forward reads the layers once
+        greedy(lm, ROWS, NEW_TOKENS, logits=True)  # depth 1: nothing is read ahead, so each forward reads the layers once
         assert lm.bytes_read == NEW_TOKENS * quantized.nbytes(quantized.layer_names)
 
 
@@ -176,7 +172,7 @@ def test_a_converted_layout_is_reused_only_for_the_same_weights(make_source, tmp
 
 
 def test_bad_weights_write_nothing(make_source, tmp_path):
-    with pytest.raises(ZeroliteError, match="unknown --weights"):
+    with pytest.raises(ZeroliteError, match="unknown `weights`"):
         convert(make_source(), tmp_path / "out", weights="int3", show_progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -190,9 +186,9 @@ def test_a_partial_last_group_runs_as_its_dequantised_weights(make_source, make_
     down = next(t for t in Layout.open(layout).blocks[1].tensors if t.name.endswith("down_proj.weight_scale_zero"))
     assert down.shape[0] == 3  # 160 columns in three groups of 64
     reference = dequantised_reference(source, layout)
-    expected = greedy(reference)
+    expected = greedy(reference, ROWS, NEW_TOKENS, logits=True)
     with zerolite.load(layout, device="cpu", offload="nvme", cpu_memory=0, show_progress=False) as lm:
-        got = greedy(lm)
+        got = greedy(lm, ROWS, NEW_TOKENS, logits=True)
     if dtype == "fp32":
         assert_close_to_reference(expected, got)
     else:  # bf16 rounds the activations: held to bf16's own error, as the kernel test is
@@ -209,7 +205,7 @@ def test_a_layout_packed_by_another_torch_is_refused_where_the_kernel_would_read
     manifest = json.loads((layout / "manifest.json").read_text())
     manifest["quantization"]["packing"]["torch"] = "2.0.0"
     (layout / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ZeroliteError, match="packed by torch 2.0.0 .* convert the model again with --weights int4"):
+    with pytest.raises(ZeroliteError, match="packed by torch 2.0.0 .* convert the model again with `weights` int4"):
         zerolite.load(layout, device="cpu", show_progress=False)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cli_runner import run
+from helpers import generate_args, lines_by_id
 from zerolite.errors import ZeroliteError
 from zerolite.dist.world import World, failed_line
 
@@ -41,22 +42,18 @@ def prompts(tmp_path) -> Path:
     return path
 
 
-def generate_args(layout, prompts, output, *more: str) -> list[str]:
-    return ["generate", "--model", str(layout), "--input", str(prompts), "--output", str(output), "--batch-size", str(BATCH),
-            "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu", *more]
-
-
 @pytest.fixture
 def reference(capsys, monkeypatch, tmp_path, layout, prompts) -> Path:
     """One process's output, run in this one."""
     output = tmp_path / "one-process.jsonl"
-    assert run(capsys, monkeypatch, *generate_args(layout, prompts, output)).code == 0
+    assert run(capsys, monkeypatch, *generate_args(layout, prompts, output, batch=BATCH, new_tokens=NEW_TOKENS)).code == 0
     return output
 
 
-def torchrun(*args: str, ranks: int = 2, cwd=None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([*TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """A two-rank torchrun job on this machine."""
+    return subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def two_nodes(node_args: list[list[str]], cwds: list[Path], timeout: float = 240) -> list[subprocess.CompletedProcess]:
@@ -68,13 +65,6 @@ def two_nodes(node_args: list[list[str]], cwds: list[Path], timeout: float = 240
                                 f"--master-port={port}", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for node, (args, cwd) in enumerate(zip(node_args, cwds))]
     return [subprocess.CompletedProcess(agent.args, agent.wait(timeout), *agent.communicate()) for agent in agents]
-
-
-def lines_by_id(output: Path) -> dict:
-    lines = output.read_text().splitlines()
-    ids = [json.loads(line)["id"] for line in lines]
-    assert len(ids) == len(set(ids)), "an id written twice"
-    return dict(zip(ids, lines))
 
 
 def zerolite_lines(stderr: str) -> list[str]:
@@ -116,7 +106,8 @@ def test_a_failure_is_said_once_naming_the_rank():
 def test_two_ranks_write_what_one_process_writes(tmp_path, layout, prompts, reference, offload):
     output = tmp_path / "two-ranks.jsonl"
     result = torchrun("-m", "zerolite", *generate_args(layout, prompts, output, "--offload", offload, "--cpu-memory",
-                                                        "1GB" if offload == "cpu" else "0"))
+                                                        "1GB" if offload == "cpu" else "0", batch=BATCH,
+                                                        new_tokens=NEW_TOKENS))
     assert result.returncode == 0, result.stderr
     assert output.read_bytes() == reference.read_bytes()  # every id once, in input order, token for token
     said = zerolite_lines(result.stderr) + [line for line in result.stderr.splitlines() if line.startswith(("plan:", "ranks:"))]
@@ -126,13 +117,18 @@ def test_two_ranks_write_what_one_process_writes(tmp_path, layout, prompts, refe
 
 
 def kill_and_rerun(tmp_path, layout, prompts, reference, device: str) -> None:
-    """Through the API: an uninterrupted run equals one process's; then a run whose rank 1 is
-    SIGKILLed as its second batch starts, and a rerun, leave every id once with the same tokens."""
+    """Through the API: a run whose rank 1 is SIGKILLed as its second batch starts, then a rerun,
+    leave what one process writes: the killed run's whole rounds, the rerun's batches after them,
+    every id once, in input order, token for token."""
     reports = tmp_path / "reports"
     reports.mkdir()
     output = tmp_path / "api.jsonl"
-    whole = torchrun(WORKER, str(layout), str(prompts), str(output), str(reports), "--device", device)
-    assert whole.returncode == 0, whole.stderr
+    worker = [WORKER, str(layout), str(prompts), str(output), str(reports), "--device", device]
+    killed = torchrun(*worker, "--die-at-batch", "2")
+    assert killed.returncode != 0
+    assert 0 < len(lines_by_id(output)) < PROMPTS, "the rerun must resume a run cut short"
+    rerun = torchrun(*worker)
+    assert rerun.returncode == 0, rerun.stderr
     assert output.read_bytes() == reference.read_bytes()
     ranks = [json.loads((reports / f"rank{rank}.json").read_text()) for rank in range(2)]
     if device == "cuda":
@@ -140,14 +136,6 @@ def kill_and_rerun(tmp_path, layout, prompts, reference, device: str) -> None:
     assert ranks[0]["host_copy"] and ranks[0]["host_copy"] == ranks[1]["host_copy"], "one host copy, mapped by both"
     if device == "sim":
         assert ranks[0]["adopted"] > 0 and ranks[0]["adopted"] == ranks[1]["adopted"], "each rank registers the copy"
-
-    output = tmp_path / "killed.jsonl"
-    killed = torchrun(WORKER, str(layout), str(prompts), str(output), str(reports), "--device", device, "--die-at-batch", "2")
-    assert killed.returncode != 0
-    assert len(lines_by_id(output)) < PROMPTS
-    rerun = torchrun(WORKER, str(layout), str(prompts), str(output), str(reports), "--device", device)
-    assert rerun.returncode == 0, rerun.stderr
-    assert lines_by_id(output) == lines_by_id(reference)
 
 
 def test_a_rank_killed_mid_run_then_a_rerun_on_the_cpu(tmp_path, layout, prompts, reference):
@@ -167,8 +155,9 @@ def test_a_rank_killed_mid_run_then_a_rerun_each_on_its_own_device(tmp_path, lay
 
 
 def test_a_world_with_no_work_for_some_ranks(tmp_path, layout, prompts):
-    result = torchrun("-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl", "--batch-size", "4"), ranks=4)
-    assert_one_error(result, "10 prompts in batches of 4 make 3 batches, too few for 4 ranks", "--batch-size")
+    result = torchrun("-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl", batch=PROMPTS,
+                                                        new_tokens=NEW_TOKENS))
+    assert_one_error(result, "10 prompts in batches of 10 make 1 batch, too few for 2 ranks", "--batch-size")
     assert "plan:" not in result.stderr, "refused before loading"
     assert not (tmp_path / "out.jsonl").read_text()
 
@@ -189,7 +178,7 @@ def test_serve_refuses_ranks(layout):
 
 
 def test_mismatched_arguments_across_nodes(tmp_path, layout, prompts):
-    args = ["-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl")]
+    args = ["-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl", batch=BATCH, new_tokens=NEW_TOKENS)]
     node0, node1 = two_nodes([args, [*args, "--max-new-tokens", "3"]], [tmp_path, tmp_path])
     assert_one_error(node0, "rank 1 was started with --max-new-tokens 3, rank 0 with 6", "same zerolite command")
     assert node1.returncode != 0 and not zerolite_lines(node1.stderr)
@@ -201,7 +190,7 @@ def test_a_layout_missing_on_one_node(tmp_path, layout, prompts):
     here.mkdir()
     there.mkdir()
     (here / "layout").symlink_to(layout)
-    args = ["-m", "zerolite", *generate_args("layout", prompts, tmp_path / "out.jsonl")]
+    args = ["-m", "zerolite", *generate_args("layout", prompts, tmp_path / "out.jsonl", batch=BATCH, new_tokens=NEW_TOKENS)]
     node0, node1 = two_nodes([args, args], [here, there])
     assert_one_error(node0, "rank 1 on node 1", "layout does not exist")
     assert node1.returncode != 0 and not zerolite_lines(node1.stderr)

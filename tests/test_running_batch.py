@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zerolite
+from helpers import new_tokens_alone
 from zerolite.errors import ZeroliteError
 from zerolite.serve.running_batch import Row, RunningBatch
 from zerolite.serve.text_stream import TextStream
@@ -20,11 +21,6 @@ LENGTHS = (5, 17, 2, 9, 30, 1)
 def prompts(seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in LENGTHS]
-
-
-def alone(lm, prompt: list[int], tokens: int = NEW_TOKENS) -> list[int]:
-    out = lm.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 def staggered(lm, prompts_: list[list[int]], step_tokens: int, tokens: int = NEW_TOKENS) -> tuple[list[list[int]], int]:
@@ -53,7 +49,7 @@ def staggered(lm, prompts_: list[list[int]], step_tokens: int, tokens: int = NEW
 @pytest.mark.parametrize("step_tokens", [1, 8, 1000])
 def test_rows_that_join_and_leave_get_the_tokens_of_their_prompt_alone(make_layout, arch, step_tokens):
     with zerolite.load(make_layout(arch), offload="nvme", device="cpu", show_progress=False) as lm:
-        expected = [alone(lm, p) for p in prompts()]
+        expected = [new_tokens_alone(lm, p, NEW_TOKENS, eos_token_id=None) for p in prompts()]
         got, steps = staggered(lm, prompts(), step_tokens)
     assert got == expected
     assert steps < sum(LENGTHS) + len(LENGTHS) * NEW_TOKENS  # rows shared steps
@@ -62,7 +58,7 @@ def test_rows_that_join_and_leave_get_the_tokens_of_their_prompt_alone(make_layo
 @pytest.mark.cuda
 def test_the_kv_cache_partly_in_host_memory_rebatches_too(make_layout, gpu):
     with zerolite.load(make_layout("llama"), offload="cpu", device=gpu, kv_offload=0.5, show_progress=False) as lm:
-        expected = [alone(lm, p) for p in prompts(1)]
+        expected = [new_tokens_alone(lm, p, NEW_TOKENS, eos_token_id=None) for p in prompts(1)]
         got, _ = staggered(lm, prompts(1), step_tokens=8)
     assert got == expected
 
@@ -72,22 +68,20 @@ def test_a_sliding_window_bounds_the_columns(make_layout):
     with zerolite.load(layout, offload="nvme", device="cpu", show_progress=False) as lm:
         batch = RunningBatch(lm, step_tokens=64)
         assert batch.max_columns == 47
-        expected = [alone(lm, p, tokens=16) for p in prompts(2)]
+        expected = [new_tokens_alone(lm, p, 16, eos_token_id=None) for p in prompts(2)]
         got, _ = staggered(lm, prompts(2), step_tokens=64, tokens=16)
     assert got == expected
 
 
 def test_a_cache_of_other_state_is_refused(monkeypatch, make_layout):
-    import zerolite.serve.running_batch as running_batch
-
     class Recurrent:  # a state per sequence, as linear attention and SSM layers keep: no columns to rebatch
         pass
 
     class Cache:
         layers = [Recurrent()]
 
-    monkeypatch.setattr(running_batch, "new_cache", lambda lm: Cache())
     with zerolite.load(make_layout("llama"), offload="none", device="cpu", show_progress=False) as lm:
+        monkeypatch.setattr(lm, "new_cache", lambda: Cache())
         with pytest.raises(ZeroliteError, match="Recurrent layers"):
             RunningBatch(lm, 8)
 

@@ -17,20 +17,19 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
 import zerolite
-from cli_runner import assert_one_line_error, run
+from cli_runner import assert_one_line_error, run, run_tool
+from helpers import new_tokens_alone
 from live_server import LiveServer
 from tiny_models import CHAT_TEMPLATE, save_ascii_tokenizer
 from zerolite.convert.writer import convert
 from zerolite.serve.server import ServeSettings
 
-TOOLS = Path(__file__).parent.parent / "tools"
 TIMEOUT = httpx.Timeout(60.0)
 NEW_TOKENS = 12
 LENGTHS = (3, 11, 1, 7, 19, 5)
@@ -99,8 +98,7 @@ def test_each_client_gets_the_tokens_zerolite_generate_gives_its_prompt(arch, ma
 def test_the_engine_loop_runs_the_model_on_a_gpu_from_its_own_thread(make_layout, gpu):
     prompts = random_prompts(1)[:4]
     with zerolite.load(make_layout("llama"), offload="nvme", device=gpu, kv_offload=0.5, show_progress=False) as lm:
-        expected = [lm.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-                    for p in prompts]
+        expected = [new_tokens_alone(lm, p, NEW_TOKENS) for p in prompts]
         with LiveServer(lm, ServeSettings(max_batch=3, step_tokens=8)) as server:
             with ThreadPoolExecutor(len(prompts)) as pool:
                 answers = list(pool.map(lambda p: complete(server.url, p, True, server.served.name), prompts))
@@ -129,7 +127,7 @@ def test_the_openai_client_and_curl_work_streaming_and_not(chat_lm):
     lm = chat_lm
     prompt = "The quick brown fox"
     ids = lm.tokenizer(prompt).input_ids
-    alone = lm.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+    alone = new_tokens_alone(lm, ids, NEW_TOKENS)
     # the end token ends the text, and has none of its own (this tokenizer would spell it \x02)
     expected_text = lm.tokenizer.decode(alone[:-1] if alone[-1] == lm.generation_config.eos_token_id else alone)
     with LiveServer(lm) as server:
@@ -208,7 +206,7 @@ def test_clients_that_disconnect_mid_stream_are_cancelled_and_the_others_served(
             server.wait_idle()
             health = httpx.get(server.url + "/health", timeout=TIMEOUT)
             cancelled = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
-        alone = lm.generate(torch.tensor([[9, 8, 7, 6]]), max_new_tokens=200, do_sample=False)[0, 4:].tolist()
+        alone = new_tokens_alone(lm, [9, 8, 7, 6], 200)
     assert all(left)
     assert kept["ids"] == alone
     assert health.status_code == 200
@@ -441,13 +439,12 @@ def in_flight(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^zerolite_(?:active_sequences|queue_depth) (\S+)$", text, re.M))
 
 
-def test_the_benchmark_runs_end_to_end(make_layout, tmp_path):
+def test_the_benchmark_runs_end_to_end(capsys, monkeypatch, make_layout, tmp_path):
     """tools/bench_serve.py on a tiny layout: a server process of its own, 1 client then 4."""
     figures, picture = tmp_path / "serve.json", tmp_path / "clients.png"
-    done = subprocess.run([sys.executable, str(TOOLS / "bench_serve.py"), "--model", str(make_layout("llama", layers=4)),
-                           "--clients", "4", "--prompt-tokens", "5", "--new-tokens", "6", "--spread", "0.2",
-                           "--json", str(figures), "--plot", str(picture)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    done = run_tool(capsys, monkeypatch, "bench_serve", "--model", make_layout("llama", layers=4), "--clients", "4",
+                    "--prompt-tokens", "5", "--new-tokens", "6", "--spread", "0.2", "--json", figures, "--plot", picture)
+    assert done.code == 0, done.stderr
     report = json.loads(figures.read_text())
     assert [phase["tokens"] for phase in report["phases"].values()] == [6, 24]
     assert all(phase["ttft_p95_s"] >= phase["ttft_median_s"] > 0 for phase in report["phases"].values())

@@ -11,6 +11,7 @@ import torch
 
 import zerolite
 from cli_runner import run
+from helpers import greedy
 from zerolite.runtime.budget import Budgets
 from zerolite.io.device import CpuDevice
 from zerolite.errors import ZeroliteError
@@ -65,7 +66,7 @@ def test_a_budget_holding_half_the_layers_streams_only_the_other_half(layout):
         with zerolite.load(layout, offload="nvme", cpu_memory=budget, device="cpu", prefetch_depth=1,
                            show_progress=False) as lm:  # depth 1: nothing read ahead for a forward that never comes
             before = lm.bytes_read
-            out = lm.generate(input_ids=ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+            out = greedy(lm, ids, 5, exact=True)
             read[budget] = (lm.bytes_read - before, out)
     forwards = 5
     assert read[0][0] == forwards * sum(layer_bytes(layout))
@@ -137,8 +138,7 @@ def test_kv_offload_keeps_the_chosen_layers_in_growing_host_buffers(layout):
         cache = PartialOffloadCache(lm.config, 0.5, lm.device)
         assert cache.offloaded == [1, 3, 5, 7]
         ids = torch.tensor([[5, 17, 33, 9]])
-        lm.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
-                    cache=cache)
+        greedy(lm, ids, 6, exact=True, cache=cache)
     for i in cache.offloaded:
         layer = cache.layers[i]
         assert isinstance(layer, HostLayer) and layer.keys.device.type == "cpu"
