@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 demo: $(STAMP)
 	$(BIN)/zerolite generate "$(PROMPT)" --offload nvme --gpu-memory 0 --cpu-memory 0 --max-new-tokens 24
 
+# A worker per core: most tests keep one core busy at a time (Python, a fresh interpreter's imports), so two
+# workers on two cores take about two thirds of the time; tests that judge timings run alone
+# (tests/conftest.py). A plain `pytest` runs them one after another.
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto --dist worksteal
 
 bench-io: $(STAMP)
 	$(BIN)/python tools/bench_io.py

@@ -1,3 +1,4 @@
+import fcntl
 import os
 import sys
 
@@ -53,3 +54,17 @@ def gpu(request):
     device = SimulatedDevice(seed=abs(hash(request.node.nodeid)) % 1000)
     with device.watching():
         yield device
+
+
+@pytest.fixture(autouse=True)
+def alone_when_timed(request, tmp_path_factory):
+    """Under pytest-xdist (make test runs a worker per core), a test marked `alone` judges timings,
+    so it runs while no other test does: it takes a lock exclusively that every other test holds
+    shared while it runs."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(tmp_path_factory.getbasetemp().parent / "alone.lock", "a") as lock:  # the workers' common folder
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, StaticCache
 import zerolite
 import zerolite.runtime.kv_cache
 import zerolite.runtime.resident
+from helpers import greedy
 from simulated_device import OrderingError, SimulatedDevice
 from zerolite.runtime.batching import MARGIN, largest_batch
 from zerolite.io.device import CudaDevice
@@ -26,8 +27,7 @@ from zerolite.profile.run import profile_run
 from zerolite.runtime.timeline import Timeline
 
 LAYERS = 6
-PROMPTS = [[5, 17, 33, 9, 44, 61, 70], [0, 0, 0, 0, 0, 12, 90]]
-MASK = [[1] * 7, [0] * 5 + [1] * 2]
+ROWS = [[5, 17, 33, 9, 44, 61, 70], [12, 90]]  # one batch: the short prompt left-padded
 NEW_TOKENS = 8
 
 
@@ -35,12 +35,7 @@ NEW_TOKENS = 8
 def tiny(make_source, make_layout):
     """A tiny Llama's layout and transformers' greedy tokens on its weights in RAM."""
     model = AutoModelForCausalLM.from_pretrained(make_source("llama", layers=LAYERS), dtype=torch.float32)
-    return make_layout("llama", layers=LAYERS), generate(model)
-
-
-def generate(model_or_lm, **kwargs) -> torch.Tensor:
-    return model_or_lm.generate(input_ids=torch.tensor(PROMPTS), attention_mask=torch.tensor(MASK),
-                                max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs)
+    return make_layout("llama", layers=LAYERS), greedy(model, ROWS, NEW_TOKENS)
 
 
 def layer_bytes(layout) -> int:
@@ -96,7 +91,7 @@ def test_the_simulated_device_catches_each_missing_ordering_step(tiny, removal):
             remove(sim, lm)
             try:
                 with sim.watching():
-                    got = generate(lm)
+                    got = greedy(lm, ROWS, NEW_TOKENS)
             except OrderingError as e:
                 caught.append(f"ledger: {e}")
                 lm.executor.recover()
@@ -110,7 +105,7 @@ def test_without_removals_every_rule_holds_and_compute_is_ordered_after_copies_a
     sim = SimulatedDevice(seed=7)
     with sim.watching():
         lm = zerolite.load(layout, device=sim, offload="cpu", gpu_memory=0, show_progress=False)
-        assert torch.equal(generate(lm), expected)
+        assert torch.equal(greedy(lm, ROWS, NEW_TOKENS), expected)
         lm.close()
     assert sim.compute_after_copies()
 
@@ -119,7 +114,7 @@ def test_without_ordering_compute_after_copies_the_teardown_race_is_caught(tiny)
     layout, _ = tiny
     sim = SimulatedDevice(seed=7)
     lm = zerolite.load(layout, device=sim, offload="cpu", gpu_memory=0, show_progress=False)
-    generate(lm)  # the read-ahead wraps into the next forward: the copy of its first layer is queued
+    greedy(lm, ROWS, NEW_TOKENS)  # the read-ahead wraps into the next forward: the copy of its first layer is queued
     refill_waits_for_copy(sim, lm)  # close() waits for the copy stream: taken away
     lm.close()
     assert not sim.compute_after_copies()
@@ -139,7 +134,7 @@ def test_pinned_memory_is_counted_at_what_pinning_takes(tiny, monkeypatch):
         assert len(lm.plan.in_memory) == budget // cost < 3
         ring = lm.policy.prefetch_depth * cost
         assert sim.pinned <= budget + ring
-        assert torch.equal(generate(lm), expected)
+        assert torch.equal(greedy(lm, ROWS, NEW_TOKENS), expected)
 
 
 def test_preflight_counts_pinned_bytes_against_physical_memory(tiny, monkeypatch):
@@ -153,6 +148,7 @@ def test_preflight_counts_pinned_bytes_against_physical_memory(tiny, monkeypatch
                       show_progress=False)
 
 
+@pytest.mark.alone
 def test_the_profiler_sees_compute_waiting_for_copies_on_the_device(tiny):
     """--offload cpu with slow copies: the stall is on the device (the host only queues a wait),
     timed there, and the step is not judged compute-bound."""
@@ -172,7 +168,7 @@ def test_resident_blocks_pass_through_small_pinned_staging(tiny, monkeypatch):
     sim = SimulatedDevice(seed=3)
     with sim.watching():
         with zerolite.load(layout, device=sim, offload="none", show_progress=False) as lm:
-            assert torch.equal(generate(lm), expected)
+            assert torch.equal(greedy(lm, ROWS, NEW_TOKENS), expected)
     assert sim.peak_pinned <= 2 * sim.pinned_cost(8192)  # never the whole model on the host
 
 
@@ -185,7 +181,7 @@ def test_kv_offload_neither_synchronises_the_device_nor_leaves_a_fetch_behind(ti
         with zerolite.load(layout, device=sim, offload="nvme", cpu_memory=0, gpu_memory=0, show_progress=False) as lm:
             monkeypatch.setattr(sim, "synchronize", lambda stream=None: synchronised.append(stream))
             cache = PartialOffloadCache(lm.config, 1.0, sim)
-            assert torch.equal(generate(lm, cache=cache), expected)
+            assert torch.equal(greedy(lm, ROWS, NEW_TOKENS, cache=cache), expected)
             assert synchronised == []  # closing waits for the ring's copies; generating waits for nothing whole
     assert all(layer._fetched is None for layer in cache.layers if isinstance(layer, HostLayer))
 
@@ -209,7 +205,7 @@ def test_an_id_past_the_vocabulary_is_one_clear_error_and_the_device_stays_usabl
     with zerolite.load(layout, device=sim, cpu_memory=0, show_progress=False) as lm:
         with pytest.raises(ZeroliteError, match="vocabulary"):
             lm.generate(input_ids=torch.tensor([[1, 10_000]]), max_new_tokens=2)
-        assert torch.equal(generate(lm), expected)
+        assert torch.equal(greedy(lm, ROWS, NEW_TOKENS), expected)
 
 
 def test_static_caches_are_refused_and_compilation_is_off(tiny):
@@ -217,11 +213,11 @@ def test_static_caches_are_refused_and_compilation_is_off(tiny):
     with zerolite.load(layout, device=SimulatedDevice(), cpu_memory=0, show_progress=False) as lm:
         assert lm.generation_config.disable_compile is True
         with pytest.raises(ZeroliteError, match="static cache"):
-            generate(lm, cache_implementation="static")
+            greedy(lm, ROWS, NEW_TOKENS, cache_implementation="static")
         with pytest.raises(ZeroliteError, match="static cache"):  # under transformers 4's name too
-            generate(lm, past_key_values=StaticCache(config=lm.config, max_cache_len=32))
+            greedy(lm, ROWS, NEW_TOKENS, past_key_values=StaticCache(config=lm.config, max_cache_len=32))
         with pytest.raises(ZeroliteError, match="static cache"):
-            generate(lm, cache=StaticCache(config=lm.config, max_cache_len=32))
+            greedy(lm, ROWS, NEW_TOKENS, cache=StaticCache(config=lm.config, max_cache_len=32))
 
 
 def test_batch_size_auto_counts_host_kv_at_what_pinning_takes(tiny, monkeypatch):
@@ -271,5 +267,5 @@ def test_registration_failure_is_one_clear_error(monkeypatch):
             return 2  # cudaErrorMemoryAllocation
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
-    with pytest.raises(ZeroliteError, match="pinning .* failed .*lower --cpu-memory"):
+    with pytest.raises(ZeroliteError, match="pinning .* failed .*lower `cpu_memory`"):
         CudaDevice.pinned_empty(object.__new__(CudaDevice), 1 << 20)

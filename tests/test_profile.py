@@ -29,6 +29,7 @@ def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5):
         return profile_run(lm, timeline, batch, new_tokens, prompt_tokens=8), timeline
 
 
+@pytest.mark.alone
 def test_trace_shows_the_next_read_overlapping_compute_from_depth_2(capsys, monkeypatch, tmp_path, layout):
     for depth in (1, 2, 4):
         trace_file = tmp_path / f"trace-{depth}.json"
@@ -59,6 +60,7 @@ def test_trace_shows_the_next_read_overlapping_compute_from_depth_2(capsys, monk
             assert overlapping >= 0.9 * pairs, f"depth {depth}: {overlapping} of {pairs} reads overlap compute"
 
 
+@pytest.mark.alone
 def test_verdict_disk_bound_when_every_block_streams_for_a_small_batch(layout):
     report, _ = profiled(layout, "nvme", depth=6, batch=1)  # 5 layers (190 MB) read ahead: the disk is kept full
     assert report.bottleneck == "disk", report.verdict
@@ -110,6 +112,7 @@ def test_verdict_compute_bound_with_everything_resident_and_a_large_batch(layout
     assert report.bottleneck == "compute" and report.io_s == 0, report.verdict
 
 
+@pytest.mark.alone
 def test_verdict_prefetch_starved_at_depth_1(layout):
     report, _ = profiled(layout, "nvme", depth=1, batch=64)
     assert report.bottleneck == "prefetch", report.verdict

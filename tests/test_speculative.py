@@ -6,38 +6,30 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
 import zerolite
 import zerolite.spec.draft
-from cli_runner import assert_one_line_error, run
+from cli_runner import assert_one_line_error, run, run_tool
+from helpers import greedy
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
 from zerolite.spec.decoding import LONGEST_DRAFT, DraftLength, judge
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
-TOOLS = Path(__file__).parent.parent / "tools"
 PROMPT = torch.tensor([[5, 17, 33, 9, 44, 61, 70]])
 NEW_TOKENS = 16
 
 
-def greedy(lm, input_ids=PROMPT):
-    return lm.generate(input_ids=input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                       pad_token_id=0)
-
-
 def plain_and_drafted(layout, draft, draft_group_size=None, **setup):
     with zerolite.load(layout, show_progress=False, **setup) as lm:
-        plain, plain_bytes = greedy(lm), lm.bytes_read
+        plain, plain_bytes = greedy(lm, PROMPT, NEW_TOKENS, exact=True), lm.bytes_read
     with zerolite.load(layout, draft=draft, draft_group_size=draft_group_size, show_progress=False, **setup) as lm:
         assert lm.draft is not None and lm.draft.plan.on_disk == ()  # the draft is held resident
-        drafted = greedy(lm)
+        drafted = greedy(lm, PROMPT, NEW_TOKENS, exact=True)
         return plain, drafted, plain_bytes, lm.bytes_read
 
 
@@ -59,6 +51,7 @@ def test_another_model_drafting_with_kv_offload_leaves_greedy_output_as_it_was(a
     assert torch.equal(plain, drafted)
 
 
+@pytest.mark.alone  # the draft's length follows measured timings
 def test_a_draft_that_guesses_right_saves_passes_over_the_weights(make_layout):
     """The model drafting for itself (a copy of its own layout) is always right: each target pass
     then checks several tokens, so far fewer bytes are read for the same tokens. (Beside a draft
@@ -174,7 +167,7 @@ def test_the_draft_length_follows_acceptance_and_costs():
 def test_speculation_refuses_a_batch(make_layout):
     with zerolite.load(make_layout(fresh=True), draft="self-int8", device="cpu", show_progress=False) as lm:
         with pytest.raises(ZeroliteError, match="speculative decoding runs at batch 1"):
-            greedy(lm, PROMPT.repeat(2, 1))
+            greedy(lm, PROMPT.repeat(2, 1), NEW_TOKENS, exact=True)
 
 
 @pytest.mark.parametrize("asked", [dict(num_beams=2), dict(return_dict_in_generate=True)])
@@ -249,22 +242,21 @@ def test_a_draft_deepens_the_ring_to_read_on_while_it_guesses_but_never_holds_ev
     layout, copy = make_layout("llama", layers=6), make_layout("llama", layers=2, seed=1)
     with zerolite.load(layout, draft=str(copy), device="cpu", cpu_memory=0, show_progress=False) as lm:
         assert lm.policy.prefetch_depth == 5
-        greedy(lm)
+        greedy(lm, PROMPT, NEW_TOKENS, exact=True)
         per_pass = lm.layout.manifest.nbytes(lm.layout.manifest.layer_names)
         assert lm.bytes_read >= lm.speculator.stats.passes * per_pass
     with zerolite.load(layout, draft=str(copy), device="cpu", offload="cpu", show_progress=False) as lm:
         assert lm.policy.prefetch_depth == 2  # nothing streams from disk: the ring stays as asked
 
 
-def test_the_benchmark_runs_end_to_end_and_finds_the_tokens_unchanged(make_layout, tmp_path):
+def test_the_benchmark_runs_end_to_end_and_finds_the_tokens_unchanged(capsys, monkeypatch, make_layout, tmp_path):
     """tools/bench_speculative.py on a tiny layout (no tokenizer: random prompts), plain and with
     another model drafting, each run a zerolite process of its own."""
     layout, other = make_layout("llama", layers=4), make_layout("llama", layers=2, seed=1)
     figures = tmp_path / "figures.json"
-    done = subprocess.run([sys.executable, str(TOOLS / "bench_speculative.py"), "--model", str(layout), "--prompts", "2",
-                           "--new-tokens", "8", "--drafts", str(other), "--json", str(figures)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    done = run_tool(capsys, monkeypatch, "bench_speculative", "--model", layout, "--prompts", "2", "--new-tokens", "8",
+                    "--drafts", other, "--json", figures)
+    assert done.code == 0, done.stderr
     runs = json.loads(figures.read_text())["runs"]
     assert list(runs) == ["plain", str(other)]
     drafted = runs[str(other)]
