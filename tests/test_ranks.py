@@ -16,10 +16,14 @@ from pathlib import Path
 
 import pytest
 
+import zerolite.runtime.loader
+import zerolite.runtime.policy
 from cli_runner import run
 from helpers import generate_args, lines_by_id
 from zerolite.errors import ZeroliteError
 from zerolite.dist.world import World, failed_line
+from zerolite.runtime.loader import rank_device
+from zerolite.runtime.policy import Policy
 
 LAYERS = 4
 PROMPTS = 10
@@ -100,6 +104,25 @@ def test_a_failure_is_said_once_naming_the_rank():
     assert failed_line([(1, "gone", "node 1 (b)")], 2, "loading") == "rank 1 on node 1 (b), loading: gone"
     assert failed_line([(1, "x", "node 0 (a)"), (2, "y", "node 1 (b)")], 3, "loading") == \
         "rank 1 on node 0 (a) (and on rank 2), loading: x"
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "expected"), [(1, 1, "cuda:0"), (1, 3, "cuda:0"), (2, 1, "cuda:1"),
+                                                                   (4, 3, "cuda:3")])
+def test_each_rank_takes_the_gpu_of_its_local_rank_or_the_only_one_it_sees(monkeypatch, visible, local_rank, expected):
+    """torchrun shows every rank all of the node's GPUs; SLURM and Kubernetes may show each rank its own one alone."""
+    for module in (zerolite.runtime.loader, zerolite.runtime.policy):
+        monkeypatch.setattr(module, "cuda_available", lambda: True)
+    monkeypatch.setattr(zerolite.runtime.loader, "cuda_device_count", lambda: visible)
+    world = World(rank=local_rank, size=4, local_rank=local_rank, local_size=4)
+    assert rank_device(Policy(device="cuda"), world).name == expected
+
+
+def test_more_ranks_than_the_gpus_they_all_see_is_one_clear_error(monkeypatch):
+    for module in (zerolite.runtime.loader, zerolite.runtime.policy):
+        monkeypatch.setattr(module, "cuda_available", lambda: True)
+    monkeypatch.setattr(zerolite.runtime.loader, "cuda_device_count", lambda: 2)
+    with pytest.raises(ZeroliteError, match="4 ranks on this node but 2 GPUs"):
+        rank_device(Policy(device="cuda"), World(rank=2, size=4, local_rank=2, local_size=4))
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])

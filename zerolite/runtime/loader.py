@@ -39,7 +39,8 @@ def open_layout(folder, dtype: str | None) -> Layout:
 
 
 def rank_device(policy: Policy, world: World) -> Device:
-    """The policy's device, each rank on its own GPU under torchrun: cuda is LOCAL_RANK's."""
+    """The policy's device, each rank on its own GPU under torchrun: cuda is LOCAL_RANK's, or the
+    one GPU a rank sees where the launcher gives each rank its own (SLURM, Kubernetes)."""
     spec = policy.device
     if not isinstance(spec, str) or spec == "cpu" or world.local_size == 1:
         return policy.target()
@@ -49,6 +50,8 @@ def rank_device(policy: Policy, world: World) -> Device:
     if spec == "auto" and not cuda_available():
         return policy.target()
     count = cuda_device_count()
+    if count == 1:
+        return resolve("cuda:0")
     if world.local_rank >= count:
         raise ZeroliteError(f"{world.local_size} ranks on this node but {count} GPU{'s' if count != 1 else ''}: give "
                             f"torchrun --nproc-per-node {count} or less")
