@@ -5,6 +5,7 @@ static cache)."""
 
 from __future__ import annotations
 
+import threading
 from collections import namedtuple
 
 import psutil
@@ -18,7 +19,6 @@ import zerolite.runtime.resident
 from helpers import greedy
 from simulated_device import OrderingError, SimulatedDevice
 from zerolite.runtime.batching import MARGIN, largest_batch
-from zerolite.io.device import CudaDevice
 from zerolite.errors import ZeroliteError
 from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, kv_bytes_per_token
 from zerolite.layout.folder import Layout
@@ -235,37 +235,12 @@ def test_batch_size_auto_counts_host_kv_at_what_pinning_takes(tiny, monkeypatch)
         assert largest_batch(lm, [prompt] * 1000, new) == 100
 
 
-def test_pinned_memory_is_registered_at_its_size_and_unregistered_after_its_last_view(monkeypatch):
-    """CudaDevice's pinned memory, with CUDA's runtime stood in for: exact page-rounded sizes (no
-    power-of-two rounding), and unregistered only once no tensor uses it, before it is unmapped."""
-    calls = []
-
-    class Runtime:
-        def cudaHostRegister(self, address, nbytes, flags):
-            calls.append(("register", address, nbytes))
-            return 0
-
-        def cudaHostUnregister(self, address):
-            calls.append(("unregister", address))
-            return 0
-
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
-    buffer = CudaDevice.pinned_empty(object.__new__(CudaDevice), 1_710_000_000 // 1000)
-    address = buffer.data_ptr()
-    assert calls == [("register", address, 1_712_128)] and address % 4096 == 0
-    view = buffer[100:200]
-    del buffer
-    view.fill_(7)  # still mapped and registered
-    assert len(calls) == 1
-    del view
-    assert calls[-1] == ("unregister", address)
-
-
-def test_registration_failure_is_one_clear_error(monkeypatch):
-    class Runtime:
-        def cudaHostRegister(self, address, nbytes, flags):
-            return 2  # cudaErrorMemoryAllocation
-
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
-    with pytest.raises(ZeroliteError, match="pinning .* failed .*lower `cpu_memory`"):
-        CudaDevice.pinned_empty(object.__new__(CudaDevice), 1 << 20)
+def test_loading_makes_the_models_device_current_in_one_process_too(tiny, monkeypatch):
+    """On --device cuda:1 without torchrun as with it: otherwise what transformers allocates on
+    "cuda" while loading would land on GPU 0."""
+    layout, _ = tiny
+    sim = SimulatedDevice()
+    adopted = []
+    monkeypatch.setattr(sim, "adopt_thread", lambda: adopted.append(threading.get_ident()))
+    with zerolite.load(layout, device=sim, cpu_memory=0, show_progress=False):
+        assert adopted == [threading.get_ident()]

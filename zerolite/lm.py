@@ -256,8 +256,7 @@ def load(
             nonlocal layout, target, tokenizer
             layout = open_layout(layout_folder, dtype)
             target = rank_device(policy, world)
-            if world.distributed:  # what transformers allocates on "cuda" lands on this rank's GPU, not GPU 0
-                target.adopt_thread()
+            target.adopt_thread()  # what transformers allocates on "cuda" lands on the model's GPU, not GPU 0
             tokenizer = load_tokenizer(layout_folder)
 
         def draft_first() -> Policy:

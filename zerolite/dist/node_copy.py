@@ -6,7 +6,7 @@ The node's first rank (LOCAL_RANK 0) reads the blocks, many in flight and each c
 checksum, into one memfd: anonymous shared memory that needs no file system (/dev/shm is often
 small) and goes away with the last process mapping it, so a killed job leaves nothing behind. The
 other ranks on the node map the same memory through /proc/PID/fd/FD of that rank (same user, same
-machine); on a GPU each process registers the mapping once (cudaHostRegister), so copies out of
+machine); on a GPU each process registers the mapping once (cuMemHostRegister), so copies out of
 it run at pinned speed in every rank. The weights are only ever read there: the model's modules
 bind views of them.
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import time
 
@@ -150,9 +151,9 @@ class CpuDevice(Device):
 
 class CudaDevice(Device):
     """One CUDA device through torch.cuda. Pinned host memory is allocated at its exact size (page
-    rounded) and registered with cudaHostRegister, not taken from torch's pinned caching allocator,
-    which rounds every allocation up to a power of two and keeps freed blocks pinned: a 1.71 GB
-    Llama-70B layer would lock 2 GiB, a 2.9 GB Mixtral layer 4 GiB."""
+    rounded) and registered through CUDA's driver (CudaDriver), not taken from torch's pinned
+    caching allocator, which rounds every allocation up to a power of two and keeps freed blocks
+    pinned: a 1.71 GB Llama-70B layer would lock 2 GiB, a 2.9 GB Mixtral layer 4 GiB."""
 
     separate_memory = True
 
@@ -199,10 +200,10 @@ class CudaDevice(Device):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        return registered_host_memory(max(nbytes, 1))[:nbytes]
+        return registered_host_memory(max(nbytes, 1), self.torch_device.index)[:nbytes]
 
     def adopt_host(self, array: ctypes.Array, mapping: mmap.mmap) -> torch.Tensor:
-        return registered(array, mapping, "the node's shared host copy")
+        return registered(array, mapping, "the node's shared host copy", self.torch_device.index)
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.torch_device)
@@ -211,39 +212,99 @@ class CudaDevice(Device):
         return torch.cuda.max_memory_allocated(self.torch_device)
 
 
-class _Registration:
-    """Keeps a host mapping registered with CUDA while any tensor uses it; on release, unregisters
-    it before the mapping goes (the mmap is freed only after this object)."""
+REGISTRATION_CHUNK = 64 << 30
+"""The most one registration pins: drivers from r580 on are reported to refuse a single
+registration of 512 GiB or more (a 405B model's host tier in bf16)."""
 
-    def __init__(self, mapping: mmap.mmap, address: int, cudart):
+CU_MEMHOSTREGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the registering one
+
+
+class CudaDriver:
+    """Host memory registration through CUDA's driver API (libcuda). Not the runtime's
+    cudaHostRegister: a failed one leaves the runtime's last error set, which torch's binding does
+    not clear, so the thread's next kernel launch fails with a misattributed "out of memory"; a
+    driver call returns its error and leaves none behind. Each call runs in the primary context of
+    the model's GPU (the one torch's runtime uses there): under whichever device happens to be
+    current, it would create a context on GPU 0, hundreds of MB of someone else's GPU."""
+
+    def __init__(self, library=None):
+        self.library = library if library is not None else ctypes.CDLL("libcuda.so.1")
+        self._check(self.library.cuInit(0), "starting CUDA's driver")
+
+    @contextlib.contextmanager
+    def current(self, index: int):
+        """GPU index's primary context made current on this thread, and the previous one back after."""
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        self._check(self.library.cuDeviceGet(ctypes.byref(device), index), f"finding GPU {index}")
+        self._check(self.library.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), f"opening GPU {index}'s context")
+        try:
+            self._check(self.library.cuCtxPushCurrent_v2(context), f"making GPU {index}'s context current")
+            try:
+                yield
+            finally:
+                self.library.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            self.library.cuDevicePrimaryCtxRelease_v2(device)
+
+    def register(self, address: int, nbytes: int) -> int:
+        """Page-locks [address, address + nbytes) in the current context: CUDA's status, 0 for success."""
+        return int(self.library.cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
+                                                     ctypes.c_uint(CU_MEMHOSTREGISTER_PORTABLE)))
+
+    def unregister(self, address: int) -> None:
+        self.library.cuMemHostUnregister(ctypes.c_void_p(address))
+
+    @staticmethod
+    def _check(status: int, doing: str) -> None:
+        if status != 0:
+            raise ZeroliteError(f"{doing} failed (CUDA driver error {status})")
+
+
+@functools.cache
+def cuda_driver() -> CudaDriver:
+    return CudaDriver()
+
+
+class _Registration:
+    """Keeps a host mapping registered with CUDA, in chunks, while any tensor uses it; on release,
+    unregisters them before the mapping goes (the mmap is freed only after this object)."""
+
+    def __init__(self, mapping: mmap.mmap, driver: CudaDriver, index: int):
         self.mapping = mapping
-        self.address = address
-        self.cudart = cudart  # held: looking it up again at interpreter exit or in a forked child fails
+        self.driver = driver  # held: looking it up again at interpreter exit or in a forked child fails
+        self.index = index
+        self.chunks: list[int] = []
+
+    def release(self) -> None:
+        with self.driver.current(self.index):
+            while self.chunks:
+                self.driver.unregister(self.chunks.pop())
 
     def __del__(self):
         with contextlib.suppress(Exception):  # nothing to do about a failure while freeing
-            self.cudart.cudaHostUnregister(self.address)
+            self.release()
 
 
-CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
-
-
-def registered_host_memory(nbytes: int) -> torch.Tensor:
+def registered_host_memory(nbytes: int, index: int) -> torch.Tensor:
     """nbytes of anonymous memory (huge pages where the kernel gives them: zerolite.io.engine.host_mapping),
-    page-locked for the GPU."""
-    return registered(*host_mapping(host_bytes(nbytes)), "host memory")
+    page-locked for GPU index."""
+    return registered(*host_mapping(host_bytes(nbytes)), "host memory", index)
 
 
-def registered(array: ctypes.Array, mapping: mmap.mmap, what: str) -> torch.Tensor:
-    """array (inside mapping) page-locked for the GPU, as a uint8 tensor that keeps both alive."""
-    address = ctypes.addressof(array)
-    cudart = torch.cuda.cudart()
-    status = int(cudart.cudaHostRegister(address, len(array), CUDA_HOST_REGISTER_PORTABLE))
-    if status != 0:
-        raise ZeroliteError(
-            f"pinning {len(array) / 1e9:.2f} GB of {what} failed (cudaError {status}): lower `cpu_memory` or `prefetch_depth`"
-        )
-    array._registration = _Registration(mapping, address, cudart)  # dies with the last tensor using the array
+def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int) -> torch.Tensor:
+    """array (inside mapping) page-locked for GPU index, in chunks of at most REGISTRATION_CHUNK, as
+    a uint8 tensor that keeps both alive."""
+    address, nbytes = ctypes.addressof(array), len(array)
+    registration = _Registration(mapping, cuda_driver(), index)
+    with registration.driver.current(index):
+        for start in range(0, nbytes, REGISTRATION_CHUNK):
+            status = registration.driver.register(address + start, min(REGISTRATION_CHUNK, nbytes - start))
+            if status != 0:
+                registration.release()
+                raise ZeroliteError(f"pinning {nbytes / 1e9:.2f} GB of {what} failed (CUDA driver error {status}): "
+                                    "lower `cpu_memory` or `prefetch_depth`")
+            registration.chunks.append(address + start)
+    array._registration = registration  # dies with the last tensor using the array
     tensor = torch.frombuffer(array, dtype=torch.uint8)
     assert tensor.data_ptr() % ALIGNMENT == 0
     return tensor

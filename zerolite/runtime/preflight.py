@@ -34,7 +34,7 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
         # Host memory holds pinned bytes only: the staging resident blocks pass through while
         # loading, then the memory tier and the ring's read buffers. Pinned memory cannot be
         # swapped out, so it is checked against what is physically available, at what pinning
-        # really takes (RLIMIT_MEMLOCK does not bound cudaHostRegister, so it says nothing here).
+        # really takes (RLIMIT_MEMLOCK does not bound CUDA's host registration, so it says nothing here).
         shared = sum(device.pinned_cost(manifest.block(name).length) for name in plan.in_host(separate))
         each = host_slots + device.pinned_cost(plan.expert_cache)
         staging = 2 * device.pinned_cost(STAGING_BYTES) if plan.resident else 0
