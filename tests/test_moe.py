@@ -7,6 +7,7 @@ depth; a step reads exactly the dense parts and the routed experts."""
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 import torch
@@ -118,6 +119,24 @@ def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch
                      for layers in forwards for block, experts in zip(blocks, layers, strict=True))
         assert lm.bytes_read == routed + counts.early_unused * stride + blocks[0].dense_length
         assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, NEW_TOKENS, logits=True))
+
+
+def test_each_layer_routed_per_expert_waits_for_the_device_once(tiny, monkeypatch):
+    """Its routing and the next layer's guess go to the host together: each answer taken there
+    (tolist, item, cpu) makes the host wait for the GPU, which it should rather keep queueing ahead of."""
+    layout, reference = tiny
+    taken = []
+    for method in ("tolist", "item", "cpu"):
+        def counted(tensor, *args, real=getattr(torch.Tensor, method), **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("zerolite.moe"):
+                taken.append(method)
+            return real(tensor, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
+        forwards = record_routing(lm)
+        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
+        assert lm.expert_counts().guessed > 0  # the guess ran beside the routing
+    assert len(taken) == sum(map(len, forwards))
 
 
 @pytest.mark.parametrize("arch", list(MOE_SHAPES))

@@ -1,7 +1,8 @@
 """A guess at the experts the next layer will pick, so that their reads start while this layer computes.
 
     guess = ExpertGuess(model, manifest, per_expert=["layers.0", ...], disk=disk, device=device)
-    early = guess.next("layers.4", hidden, top_k)   # while layer 3's experts run
+    named = guess.ranks("layers.4", hidden, top_k)   # on the device, while layer 3's experts run
+    early = guess.next("layers.4", named.tolist())   # taken to the host with layer 3's routing
     guess.score("layers.4", routed)                  # once layer 4's router has spoken
 
 The guess applies the next layer's router to the hidden states this layer's experts receive: the
@@ -66,12 +67,16 @@ class ExpertGuess:
         return name in self._routers
 
     @torch.no_grad()
-    def next(self, upcoming: str, hidden: torch.Tensor, top_k: int) -> list[int]:
-        """Guesses which experts upcoming's router will pick for these hidden states; returns those
-        named by ranks reliable enough to read early."""
+    def ranks(self, upcoming: str, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
+        """The experts upcoming's router would pick for these hidden states, [rank][token], on the
+        device: the caller takes them to the host with what else it needs there, in one wait."""
         weight, bias = self._routers[upcoming]
         logits = F.linear(hidden.reshape(-1, weight.shape[1]).to(weight.dtype), weight, bias)
-        ranks = logits.topk(top_k, dim=-1).indices.T.tolist()  # [rank][token]
+        return logits.topk(top_k, dim=-1).indices.T
+
+    def next(self, upcoming: str, ranks: list[list[int]]) -> list[int]:
+        """Records ranks (ranks()'s answer, on the host) as the guess for upcoming; returns the
+        experts named by ranks reliable enough to read early."""
         named = self._guessed[upcoming] = [set(tokens) for tokens in ranks]
         self._shares += [0.0] * (len(named) - len(self._shares))
         early = self._early[upcoming] = set().union(*(e for e, share in zip(named, self._shares) if share >= RELIABLE))

@@ -60,12 +60,21 @@ class ExpertRouting:
            here (on a CPU), return the experts module's arguments narrowed to that one: it
            computes while the other lands, and routed_later() adds the other's share
         """
-        routed = sorted(set(chosen.flatten().tolist()))
+        upcoming = self._next_layer.get(name)
+        if upcoming is not None and not (self.guess.can_guess(upcoming) and self.slots.holds(upcoming)):
+            upcoming = None
+        named = self.guess.ranks(upcoming, hidden, chosen.shape[-1]) if upcoming is not None else None
+        # One wait for the device per layer: each answer taken to the host stops the host from
+        # queueing ahead of the GPU, so the routing and the guess go there together.
+        answers = torch.cat([chosen.flatten(), named.flatten().to(chosen.dtype)]) if named is not None else chosen.flatten()
+        picked = answers.tolist()
+        routed = sorted(set(picked[:chosen.numel()]))
         self.guess.score(name, routed)
         self.slots.want_experts(name, routed)
-        upcoming = self._next_layer.get(name)
-        if upcoming is not None and self.guess.can_guess(upcoming) and self.slots.holds(upcoming):
-            self.slots.want_experts(upcoming, self.guess.next(upcoming, hidden, chosen.shape[-1]))
+        if named is not None:
+            guessed, tokens = picked[chosen.numel():], named.shape[1]
+            ranks = [guessed[rank * tokens:(rank + 1) * tokens] for rank in range(named.shape[0])]
+            self.slots.want_experts(upcoming, self.guess.next(upcoming, ranks))
         self._routed.add(name)
         if not (chosen.shape == (1, 2) and len(routed) == 2 and weights is not None and not self.device.separate_memory
                 and splits_exactly(experts, hidden)):
