@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from transformers import GenerationMixin
 
 import zerolite
 from helpers import greedy
@@ -119,6 +120,20 @@ def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch
                      for layers in forwards for block, experts in zip(blocks, layers, strict=True))
         assert lm.bytes_read == routed + counts.early_unused * stride + blocks[0].dense_length
         assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, NEW_TOKENS, logits=True))
+
+
+def test_generate_keeps_the_experts_implementation_on_a_gpu_too(tiny, monkeypatch):
+    """transformers' generate would swap grouped_mm for batched_mm while it decodes anywhere but on
+    a CPU (gigabytes of gathered expert copies per layer, and tokens that may differ from the
+    server's forward): on a model that says it is on a GPU, decoding keeps what it was built with."""
+    layout, _ = tiny
+    assert hasattr(GenerationMixin, "_optimize_model_for_decode"), "transformers renamed the switch: find it again"
+    with zerolite.load(layout, **NVME) as lm:
+        built = lm.model.get_experts_implementation()
+        assert "grouped_mm" in built.values()
+        monkeypatch.setattr(type(lm.model), "device", property(lambda model: torch.device("cuda", 0)))
+        with lm.model._optimize_model_for_decode():  # generate's decoding loop runs inside this
+            assert lm.model.get_experts_implementation() == built
 
 
 def test_each_layer_routed_per_expert_waits_for_the_device_once(tiny, monkeypatch):

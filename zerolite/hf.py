@@ -1,7 +1,8 @@
-"""transformers glue that every room shares: quiet logging, and a layout's tokenizer."""
+"""transformers glue that every room shares: quiet logging, a layout's tokenizer, a mixture's experts kept as built."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from zerolite.errors import ZeroliteError
@@ -29,3 +30,12 @@ def load_tokenizer(folder: Path):
         raise ZeroliteError(f"cannot read the tokenizer in {folder} ({' '.join(str(e).split())[:160]})") from e
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def keep_experts_implementation(model) -> None:
+    """While it decodes on any device but the CPU, transformers' generate swaps a mixture's
+    grouped_mm experts for batched_mm (its _optimize_model_for_decode), which gathers a copy of
+    each routed expert per token and pick: gigabytes of temporaries per layer at batch 8 for a
+    Mixtral, which no budget counts, and tokens that may differ from the server's, which calls
+    forward and keeps grouped_mm. The model keeps the implementation it was built with."""
+    model._optimize_model_for_decode = contextlib.nullcontext
