@@ -15,6 +15,7 @@ from transformers import GenerationMixin
 
 import zerolite
 from helpers import greedy
+from simulated_device import SimulatedDevice
 from test_executor import BATCH, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal, layout_and_reference
 from tiny_models import MOE_SHAPES
 from zerolite.errors import ZeroliteError
@@ -188,6 +189,22 @@ def test_the_expert_cache_serves_experts_read_before(tiny):
             assert_same_generation(expected, greedy(lm, rows, NEW_TOKENS, logits=True))
         counts = lm.expert_counts()
         assert 0 < counts.cache_hits < counts.cache_lookups
+
+
+def test_on_a_gpu_the_expert_cache_pins_nothing_while_generating(tiny):
+    """Its entries are only ever copied from on the host (a hit lands in the slot's pinned read
+    buffer first): pinning each as it is made would register memory on the hot path. (The ledger
+    is left off: it tracks whole buffers, and a slot's experts share one.)"""
+    layout, reference = tiny
+    stride = Layout.open(layout).manifest.block("layers.0").experts.stride
+    sim = SimulatedDevice(seed=1)
+    with zerolite.load(layout, prefetch_depth=2, **{**NVME, "device": sim, "gpu_memory": 0, "cpu_memory": 6 * stride}) as lm:
+        assert lm.plan.expert_cache == 6 * stride
+        pinned = sim.pinned
+        for expected, rows in zip(reference("cpu"), (SINGLE, BATCH)):
+            assert_same_generation(expected, greedy(lm, rows, NEW_TOKENS, logits=True))
+        assert lm.expert_counts().cache_hits > 0
+        assert sim.pinned == pinned
 
 
 def test_a_damaged_expert_is_refused_by_its_checksum(tiny, tmp_path):

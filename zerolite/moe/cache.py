@@ -1,6 +1,6 @@
 """Experts kept in host memory across steps, so that a popular expert is read from disk once.
 
-    cache = ExpertCache(budget_bytes, allocate=device.pinned_empty)
+    cache = ExpertCache(budget_bytes, allocate=aligned_empty)
     cache.get(("layers.3", 5))              # its bytes, or None; counts a use of the expert either way
     cache.put(("layers.3", 5), host_bytes)  # copied in, if it is used more than the least used one held
 

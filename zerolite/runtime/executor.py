@@ -28,7 +28,7 @@ from zerolite.dist.node_copy import NodeCopy
 from zerolite.dist.world import SINGLE, World
 from zerolite.hf import keep_experts_implementation
 from zerolite.io.device import Device
-from zerolite.io.engine import IoEngine
+from zerolite.io.engine import IoEngine, aligned_empty
 from zerolite.layout.blocks import module_path
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import DTYPES
@@ -86,7 +86,9 @@ class Executor:
         self.load_read_gbps = (memory.read_gbps if isinstance(memory, NodeCopy)
                                else self._loaded_bytes / max(time.perf_counter() - started, 1e-9) / 1e9)
         slot_bytes = max((manifest.block(name).length for name in plan.streamed), default=0)
-        self.expert_cache = (ExpertCache(plan.expert_cache, device.pinned_empty)
+        # Unpinned: a hit is copied on the host into the slot's read buffer, never from the entry to
+        # the GPU, and pinning each entry as it is made would register memory on the hot path.
+        self.expert_cache = (ExpertCache(plan.expert_cache, aligned_empty)
                              if self.per_expert and plan.expert_cache else None)
         self.slots = Slots(manifest, self.disk if plan.on_disk else None, memory, policy.prefetch_depth, device,
                            slot_bytes, timeline, self.per_expert, self.expert_cache)

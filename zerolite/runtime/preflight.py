@@ -31,12 +31,12 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
 
     available = psutil.virtual_memory().available
     if separate:
-        # Host memory holds pinned bytes only: the staging resident blocks pass through while
-        # loading, then the memory tier and the ring's read buffers. Pinned memory cannot be
-        # swapped out, so it is checked against what is physically available, at what pinning
-        # really takes (RLIMIT_MEMLOCK does not bound CUDA's host registration, so it says nothing here).
+        # Host memory holds pinned bytes (the staging resident blocks pass through while loading,
+        # then the memory tier and the ring's read buffers) and the expert cache. Pinned memory
+        # cannot be swapped out, so it is checked against what is physically available, at what
+        # pinning really takes (RLIMIT_MEMLOCK does not bound CUDA's host registration, so it says nothing here).
         shared = sum(device.pinned_cost(manifest.block(name).length) for name in plan.in_host(separate))
-        each = host_slots + device.pinned_cost(plan.expert_cache)
+        each = host_slots + plan.expert_cache
         staging = 2 * device.pinned_cost(STAGING_BYTES) if plan.resident else 0
         host_needed = max(ranks_here * staging, shared + ranks_here * each)
         what = "pins"
