@@ -19,6 +19,8 @@ four rules and raises OrderingError at the first break:
     before the next fetch);
   - the engine reads into a host buffer only once the host has seen every copy from it finish.
 compute_after_copies() checks a fourth, at teardown: compute is ordered after every copy queued.
+Every copy's host side must be pinned (pinned_empty, adopt_host), or PageableCopyError: CUDA runs a
+copy from pageable memory synchronously, the host blocked, and the overlap is gone.
 
 Free device memory comes from a configured total; pinned host allocations are counted at the
 next power of two, the way torch's pinned caching allocator rounds them.
@@ -43,6 +45,10 @@ from zerolite.io.engine import IoEngine, aligned_empty
 
 class OrderingError(AssertionError):
     """The runtime broke a happens-before rule that a real GPU would punish with a race."""
+
+
+class PageableCopyError(AssertionError):
+    """A copy between the device and host memory that is not pinned: a real GPU would block the host on it."""
 
 
 class SimulatedStream:
@@ -151,6 +157,7 @@ class SimulatedDevice(Device):
         self._copies_from: dict[int, list[tuple[str, int]]] = {}  # host storage address -> copies reading it
         self._written_by: dict[int, tuple[str, int]] = {}  # storage address -> the last copy into it
         self._all_copies: list[tuple[str, int]] = []
+        self._pinned: set[int] = set()  # storage addresses of pinned host memory
         self._lock = threading.Lock()
         self.allocated = self.peak = 0
         self.pinned = self.peak_pinned = 0
@@ -220,7 +227,7 @@ class SimulatedDevice(Device):
             self._written_by.pop(address, None)
             self.allocated += nbytes
             self.peak = max(self.peak, self.allocated)
-        weakref.finalize(tensor, self._free_device, address, nbytes)
+        weakref.finalize(tensor.untyped_storage(), self._free_device, address, nbytes)  # with its last view
 
     def _free_device(self, address: int, nbytes: int) -> None:
         with self._lock:
@@ -230,24 +237,30 @@ class SimulatedDevice(Device):
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         buffer = aligned_empty(nbytes)
         cost = self.pinned_cost(nbytes)
+        address = buffer.untyped_storage().data_ptr()
         with self._lock:
-            self._copies_from.pop(buffer.untyped_storage().data_ptr(), None)
-            self._written_by.pop(buffer.untyped_storage().data_ptr(), None)
+            self._copies_from.pop(address, None)
+            self._written_by.pop(address, None)
+            self._pinned.add(address)
             self.pinned += cost
             self.peak_pinned = max(self.peak_pinned, self.pinned)
-        weakref.finalize(buffer, self._free_pinned, cost)
+        weakref.finalize(buffer.untyped_storage(), self._free_pinned, address, cost)  # with its last view
         return buffer
 
     def adopt_host(self, array, mapping) -> torch.Tensor:
         tensor = super().adopt_host(array, mapping)
+        address = tensor.untyped_storage().data_ptr()
         with self._lock:
-            self._copies_from.pop(tensor.untyped_storage().data_ptr(), None)
-            self._written_by.pop(tensor.untyped_storage().data_ptr(), None)
+            self._copies_from.pop(address, None)
+            self._written_by.pop(address, None)
+            self._pinned.add(address)
             self.adopted += tensor.nbytes
+        weakref.finalize(tensor.untyped_storage(), self._pinned.discard, address)
         return tensor
 
-    def _free_pinned(self, cost: int) -> None:
+    def _free_pinned(self, address: int, cost: int) -> None:
         with self._lock:
+            self._pinned.discard(address)
             self.pinned -= cost
 
     def pinned_cost(self, nbytes: int) -> int:
@@ -262,6 +275,9 @@ class SimulatedDevice(Device):
     # copies and the ledger
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimulatedStream) -> None:
+        if not {dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()} & self._pinned:
+            raise PageableCopyError(f"a copy on {stream} between the device and pageable host memory: a GPU would "
+                                    "block the host on it (allocate the host side with pinned_empty)")
         record = self._buffers.get(dst.untyped_storage().data_ptr())
         epoch = stream.epoch()
         if record is not None:

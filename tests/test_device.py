@@ -17,7 +17,8 @@ import zerolite
 import zerolite.runtime.kv_cache
 import zerolite.runtime.resident
 from helpers import greedy
-from simulated_device import OrderingError, SimulatedDevice
+from simulated_device import OrderingError, PageableCopyError, SimulatedDevice
+from zerolite.io.engine import aligned_empty
 from zerolite.runtime.batching import MARGIN, largest_batch
 from zerolite.errors import ZeroliteError
 from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, kv_bytes_per_token
@@ -244,3 +245,14 @@ def test_loading_makes_the_models_device_current_in_one_process_too(tiny, monkey
     monkeypatch.setattr(sim, "adopt_thread", lambda: adopted.append(threading.get_ident()))
     with zerolite.load(layout, device=sim, cpu_memory=0, show_progress=False):
         assert adopted == [threading.get_ident()]
+
+
+def test_a_copy_between_the_device_and_pageable_host_memory_is_caught():
+    """A GPU runs it synchronously, the host blocked: the overlap the ring exists for is gone."""
+    sim = SimulatedDevice()
+    target, stream = sim.empty(8192), sim.new_stream()
+    with pytest.raises(PageableCopyError, match="pageable host memory"):
+        sim.copy(target, aligned_empty(8192), stream)
+    pinned = sim.pinned_empty(8192).view(torch.int32)[:1024]  # pinned through a view of it, the first tensor gone
+    sim.copy(target.view(torch.int32)[:1024], pinned, stream)
+    sim.synchronize()
