@@ -9,7 +9,8 @@ Device memory is separate CPU tensors, so every copy really happens. The compute
 calling thread: work runs as it is queued, as if the GPU were infinitely fast. Every other stream is
 a worker thread running its queue in order; a copy lands in chunks after a seeded random delay, so
 compute that reads a buffer before its copy has landed sees wrong bytes. Events are real: they
-complete when their stream reaches them, with timestamps.
+complete when their stream reaches them, with timestamps; elapsed_time raises, as CUDA's does, unless
+both events were made for timing and are done (the host must have synchronized them).
 
 A happens-before ledger (vector clocks, assigned when work is queued, as CUDA orders it) checks
 four rules and raises OrderingError at the first break:
@@ -93,8 +94,9 @@ class SimulatedStream:
 
 
 class SimulatedEvent:
-    def __init__(self, device: SimulatedDevice):
+    def __init__(self, device: SimulatedDevice, timing: bool = False):
         self.device = device
+        self.timing = timing
         self.stream: SimulatedStream | None = None
         self.clock: dict[str, int] = {}
         self.time: float | None = None
@@ -118,8 +120,11 @@ class SimulatedEvent:
         self.device.host_saw(self)
 
     def elapsed_time(self, end: SimulatedEvent) -> float:
-        self._done.wait()
-        end._done.wait()
+        """As torch.cuda.Event's: both events made for timing, and both done, or RuntimeError."""
+        if not (self.timing and end.timing):
+            raise RuntimeError("elapsed_time needs both events created with timing=True")
+        if not (self._done.is_set() and end._done.is_set()):
+            raise RuntimeError("elapsed_time on an event not yet done: synchronize it first")
         return (end.time - self.time) * 1e3
 
 
@@ -176,7 +181,7 @@ class SimulatedDevice(Device):
         return stream
 
     def record(self, stream=None, timing: bool = False) -> SimulatedEvent:
-        event = SimulatedEvent(self)
+        event = SimulatedEvent(self, timing)
         event.record(stream or self.compute)
         return event
 
