@@ -22,6 +22,9 @@ four rules and raises OrderingError at the first break:
 compute_after_copies() checks a fourth, at teardown: compute is ordered after every copy queued.
 Every copy's host side must be pinned (pinned_empty, adopt_host), or PageableCopyError: CUDA runs a
 copy from pageable memory synchronously, the host blocked, and the overlap is gone.
+Device work (an allocation, a copy, an event, a wait) queued from a thread that never called
+adopt_thread raises OrderingError: on a GPU it would go to that thread's current device, GPU 0.
+Under watching(), each adopted thread's compute reads are checked as the watching thread's are.
 
 Free device memory comes from a configured total; pinned host allocations are counted at the
 next power of two, the way torch's pinned caching allocator rounds them.
@@ -163,12 +166,29 @@ class SimulatedDevice(Device):
         self._written_by: dict[int, tuple[str, int]] = {}  # storage address -> the last copy into it
         self._all_copies: list[tuple[str, int]] = []
         self._pinned: set[int] = set()  # storage addresses of pinned host memory
+        self._adopted: set[int] = set()  # the threads that made this device their current one
+        self._watcher: int | None = None  # the thread whose with watching() checks compute's reads
         self._lock = threading.Lock()
         self.allocated = self.peak = 0
         self.pinned = self.peak_pinned = 0
         self.adopted = 0          # host memory mapped elsewhere and registered here (the node's shared copy)
         self.skipped_waits = []   # predicates (stream, event) -> True to drop a wait: removing an ordering step
         self.skipped_synchronizes = []  # predicates (event) -> True to drop a host wait
+
+    # threads
+
+    def adopt_thread(self) -> None:
+        """The calling thread's work goes to this device from now on; under watching(), its compute's
+        reads are checked too (torch's dispatch modes belong to one thread: the mode entered here
+        lasts as long as the thread)."""
+        self._adopted.add(threading.get_ident())
+        if self._watcher is not None and threading.get_ident() != self._watcher:
+            ReadChecker(self).__enter__()
+
+    def _queued_from_here(self) -> None:
+        if threading.get_ident() not in self._adopted:
+            raise OrderingError(f"device work queued from thread {threading.current_thread().name!r}, which never "
+                                "adopted the device (adopt_thread): on a GPU it would go to that thread's current device")
 
     # streams and events
 
@@ -181,11 +201,16 @@ class SimulatedDevice(Device):
         return stream
 
     def record(self, stream=None, timing: bool = False) -> SimulatedEvent:
+        self._queued_from_here()
+        return self._record(stream or self.compute, timing)
+
+    def _record(self, stream: SimulatedStream, timing: bool = False) -> SimulatedEvent:
         event = SimulatedEvent(self, timing)
-        event.record(stream or self.compute)
+        event.record(stream)
         return event
 
     def wait_event(self, stream: SimulatedStream, event: SimulatedEvent) -> None:
+        self._queued_from_here()
         if any(skip(stream, event) for skip in self.skipped_waits):
             return
         merge(stream.clock, event.clock)
@@ -204,8 +229,9 @@ class SimulatedDevice(Device):
         merge(self.compute.clock, event.clock)
 
     def synchronize(self, stream=None) -> None:
+        """From any thread: a GPU's synchronize names its device or stream, whichever device is current."""
         for s in [stream] if stream is not None else self.streams:
-            self.record(s).synchronize()
+            self._record(s).synchronize()
 
     def raise_failures(self) -> None:
         if self.failures:
@@ -214,6 +240,7 @@ class SimulatedDevice(Device):
     # memory
 
     def empty(self, nbytes: int) -> torch.Tensor:
+        self._queued_from_here()
         buffer = aligned_empty(nbytes)
         self._track_device(buffer, nbytes)
         return buffer
@@ -280,6 +307,7 @@ class SimulatedDevice(Device):
     # copies and the ledger
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimulatedStream) -> None:
+        self._queued_from_here()
         if not {dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()} & self._pinned:
             raise PageableCopyError(f"a copy on {stream} between the device and pageable host memory: a GPU would "
                                     "block the host on it (allocate the host side with pinned_empty)")
@@ -350,11 +378,13 @@ class SimulatedDevice(Device):
             return original_submit(engine, path, dst, file_offset)
 
         IoEngine.submit = submit
+        self._watcher = threading.get_ident()
         try:
             with ReadChecker(self):
                 yield self
         finally:
             IoEngine.submit = original_submit
+            self._watcher = None
         self.synchronize()
 
 

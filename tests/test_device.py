@@ -189,6 +189,7 @@ def test_kv_offload_neither_synchronises_the_device_nor_leaves_a_fetch_behind(ti
 
 def test_host_to_device_bandwidth_is_timed_on_the_measured_device():
     sim = SimulatedDevice()
+    sim.adopt_thread()  # as zerolite.load makes it
     assert measure_host_to_device(sim, nbytes=1 << 20, repeats=2) > 0
 
     class Instant(SimulatedDevice):
@@ -197,7 +198,9 @@ def test_host_to_device_bandwidth_is_timed_on_the_measured_device():
             event.elapsed_time = lambda end: 0.0
             return event
 
-    assert measure_host_to_device(Instant(), nbytes=1 << 20, repeats=2) is None  # no division by zero
+    instant = Instant()
+    instant.adopt_thread()
+    assert measure_host_to_device(instant, nbytes=1 << 20, repeats=2) is None  # no division by zero
 
 
 def test_an_id_past_the_vocabulary_is_one_clear_error_and_the_device_stays_usable(tiny):
@@ -242,7 +245,8 @@ def test_loading_makes_the_models_device_current_in_one_process_too(tiny, monkey
     layout, _ = tiny
     sim = SimulatedDevice()
     adopted = []
-    monkeypatch.setattr(sim, "adopt_thread", lambda: adopted.append(threading.get_ident()))
+    adopt = sim.adopt_thread
+    monkeypatch.setattr(sim, "adopt_thread", lambda: adopted.append(threading.get_ident()) or adopt())
     with zerolite.load(layout, device=sim, cpu_memory=0, show_progress=False):
         assert adopted == [threading.get_ident()]
 
@@ -250,9 +254,23 @@ def test_loading_makes_the_models_device_current_in_one_process_too(tiny, monkey
 def test_a_copy_between_the_device_and_pageable_host_memory_is_caught():
     """A GPU runs it synchronously, the host blocked: the overlap the ring exists for is gone."""
     sim = SimulatedDevice()
+    sim.adopt_thread()
     target, stream = sim.empty(8192), sim.new_stream()
     with pytest.raises(PageableCopyError, match="pageable host memory"):
         sim.copy(target, aligned_empty(8192), stream)
     pinned = sim.pinned_empty(8192).view(torch.int32)[:1024]  # pinned through a view of it, the first tensor gone
     sim.copy(target.view(torch.int32)[:1024], pinned, stream)
     sim.synchronize()
+
+
+def test_device_work_from_a_thread_that_never_adopted_the_device_is_caught(tiny):
+    """On a GPU it would go to that thread's current device (GPU 0, a context there included): the
+    server's engine thread adopts the model's device first."""
+    layout, _ = tiny
+    sim = SimulatedDevice()
+    with zerolite.load(layout, device=sim, cpu_memory=0, gpu_memory=0, show_progress=False) as lm:
+        failed = []
+        thread = threading.Thread(target=lambda: failed.append(pytest.raises(OrderingError, greedy, lm, ROWS, 2)))
+        thread.start()
+        thread.join()
+        assert "never adopted the device" in str(failed[0].value)
