@@ -76,10 +76,13 @@ def reference_device(device) -> str:
     return device if isinstance(device, str) else "cpu"
 
 
-def check_equal(tiny, setup: dict, depth: int, device) -> None:
+def check_equal(tiny, setup: dict, depth: int, device, streamed: int | None = None) -> None:
+    """streamed: how many layers the plan must stream through the ring (None: not checked)."""
     layout, reference = tiny
     setup = {key: half_the_layers(layout, key) if value == "half" else value for key, value in setup.items()}
     with zerolite.load(layout, device=device, prefetch_depth=depth, show_progress=False, **setup) as lm:
+        if streamed is not None:
+            assert sum(name.startswith("layers.") for name in lm.plan.streamed) == streamed, lm.plan
         for expected, rows in zip(reference(reference_device(device)), (SINGLE, BATCH)):
             assert_same_generation(expected, greedy(lm, rows, NEW_TOKENS, logits=True, device=reference_device(device)))
 
@@ -108,14 +111,22 @@ def test_cpu_generation_with_tiers_and_kv_offload_equals_transformers(tiny, setu
 @pytest.mark.parametrize("depth", [1, 2, 4])
 @pytest.mark.parametrize("setup", SETUPS)
 def test_gpu_generation_equals_transformers(tiny, setup, depth, gpu):
-    check_equal(tiny, SETUPS[setup], depth, gpu)
+    """nvme and cpu with no GPU memory for resident layers: every layer goes through the ring, from
+    disk or from host memory. none: every layer resident on the GPU (the one resident case)."""
+    if setup == "none":
+        check_equal(tiny, SETUPS[setup], depth, gpu, streamed=0)
+    else:
+        check_equal(tiny, {**SETUPS[setup], "gpu_memory": 0}, depth, gpu, streamed=LAYERS)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("setup", [*MORE_SETUPS, "gpu-half"])
 def test_gpu_generation_with_tiers_and_kv_offload_equals_transformers(tiny, setup, gpu):
-    """gpu-half: half the layers resident on the GPU, the other half streamed from disk."""
-    check_equal(tiny, MORE_SETUPS.get(setup, dict(offload="nvme", cpu_memory=0, gpu_memory="half")), 2, gpu)
+    """Every layer streamed, but for gpu-half: half the layers resident on the GPU, the other half
+    streamed from disk."""
+    setups = {**{name: {**value, "gpu_memory": 0} for name, value in MORE_SETUPS.items()},
+              "gpu-half": dict(offload="nvme", cpu_memory=0, gpu_memory="half")}
+    check_equal(tiny, setups[setup], 2, gpu, streamed=LAYERS // 2 if setup == "gpu-half" else LAYERS)
 
 
 def test_streaming_reads_every_layer_each_forward_and_nothing_when_resident(tiny):
