@@ -65,10 +65,6 @@ class Device:
         """dst.copy_(src), queued on stream; src must stay untouched until the copy's event."""
         raise NotImplementedError
 
-    def to_device(self, host: torch.Tensor, stream) -> torch.Tensor:
-        """A device copy of host, allocated for and queued on stream (host itself where memory is shared)."""
-        raise NotImplementedError
-
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:
         """tensor was made on another stream and is used on this one: its memory must not be reused
         before this stream's work so far has run."""
@@ -138,9 +134,6 @@ class CpuDevice(Device):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         dst.copy_(src)
 
-    def to_device(self, host: torch.Tensor, stream) -> torch.Tensor:
-        return host
-
     def empty(self, nbytes: int) -> torch.Tensor:
         return aligned_empty(nbytes)
 
@@ -182,10 +175,6 @@ class CudaDevice(Device):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-
-    def to_device(self, host: torch.Tensor, stream) -> torch.Tensor:
-        with torch.cuda.stream(stream):  # allocated for this stream: nothing compute still uses
-            return host.to(self.torch_device, non_blocking=True)
 
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:
         tensor.record_stream(stream)

@@ -7,8 +7,9 @@ values on the host between uses (pinned on CUDA), so the batch can grow past dev
 An offloaded layer's K/V are copied to the device one layer ahead of use, on a stream of their
 own, and each step's new keys and values are appended to the host copy in place (its buffer grows
 by doubling) on another, so a step moves the layer's K/V in once and only the new tokens out, and
-neither copy holds up compute (a long prefill's appends would). Each fetch waits only for that
-layer's last appends, not for all the compute queued before it. The attention
+neither copy holds up compute (a long prefill's appends would). A fetch waits for that layer's
+last appends and for the compute queued before it (its targets come from compute's memory): it
+still runs while the layer before computes. The attention
 code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
 """
 
@@ -63,7 +64,15 @@ class HostLayer(DynamicLayer):
             self._grow(length)  # a reordered or selected batch: back into sequence-first buffers
         if self._appended is not None:
             self.host.wait_event(self.fetches, self._appended)  # this layer's last appends have landed
-        keys, values = (self.host.to_device(buffer[:length], self.fetches).permute(1, 2, 0, 3) for buffer in self._buffers)
+        # The targets come from compute's memory, where they serve compute again once freed (memory
+        # freed in another stream's pool can't, and mem_get_info does not count it); so the fetch
+        # comes after the work compute queued before it took them.
+        targets = [self.host.empty(buffer[:length].nbytes).view(self.dtype).view(buffer[:length].shape)
+                   for buffer in self._buffers]
+        self.host.wait_stream(self.fetches, self.host.compute_stream())
+        for target, buffer in zip(targets, self._buffers):
+            self.host.copy(target, buffer[:length], self.fetches)
+        keys, values = (target.permute(1, 2, 0, 3) for target in targets)
         ready = self._fetch_done = self.host.record(self.fetches)
         self._fetched = (keys, values, ready)
 
@@ -76,8 +85,6 @@ class HostLayer(DynamicLayer):
         if ready is not None:
             compute = self.host.compute_stream()
             self.host.wait_event(compute, ready)
-            self.host.keep_alive(keys, compute)  # made on the copy stream, used and freed on this one
-            self.host.keep_alive(values, compute)
         self._append(key_states, value_states)
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
