@@ -7,7 +7,7 @@ the device budget holds.
 Where the device has memory of its own, each block passes through two pinned staging buffers of
 STAGING_BYTES, read in pieces by the engine and copied on a stream of their own: the host never
 holds more than the staging (an 80 GB GPU loads on a 64 GB host), and the copies run at pinned
-speed while the next piece is read. Compute is ordered after them before its first use.
+speed while the next piece is read. The host waits for the last copies before compute's first use.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ def load_resident(disk: DiskStore, names, device: Device, progress=None) -> Iter
         yield from ((name, memory.bytes_of(name)) for name in names)
         return
     copies = device.new_stream()
-    device.wait_stream(copies, device.compute_stream())  # the targets come from the compute stream's memory
     staging = [device.pinned_empty(STAGING_BYTES) for _ in range(2)] if names else []
     copied = [None, None]  # the event of the last copy out of each staging buffer
     turn = 0
@@ -39,6 +38,7 @@ def load_resident(disk: DiskStore, names, device: Device, progress=None) -> Iter
         for name in names:
             length = disk.entry(name).length
             target = device.empty(length)
+            device.wait_stream(copies, device.compute_stream())  # target comes from the compute stream's memory
             crc = 0
             for start in range(0, length, STAGING_BYTES):
                 piece = min(STAGING_BYTES, length - start)
@@ -54,8 +54,7 @@ def load_resident(disk: DiskStore, names, device: Device, progress=None) -> Iter
             if progress is not None:
                 progress.advance(length)
             yield name, target
-        device.wait_stream(device.compute_stream(), copies)
     finally:
         # The staging buffers are unpinned and freed when this returns, a failed read or checksum
-        # included: no copy may still read them.
+        # included: no copy may still read them. Compute, queued after this, comes after the copies too.
         device.synchronize(copies)
