@@ -109,7 +109,10 @@ class SimulatedEvent:
         self.stream = stream
         self.clock = dict(stream.clock)
         stream.tick()
-        stream.submit(self._complete)
+        if stream is self.device.compute:
+            self.device.lag.complete_later(self)  # the work before it runs at once, but the GPU lags the host
+        else:
+            stream.submit(self._complete)
 
     def _complete(self) -> None:
         self.time = time.perf_counter()
@@ -131,17 +134,77 @@ class SimulatedEvent:
         return (end.time - self.time) * 1e3
 
 
+class Lag:
+    """Completes compute's events in order, each a random while after it was recorded, on a timer
+    thread: the host runs ahead of the GPU, so an event it did not wait for is not done yet."""
+
+    def __init__(self, device: SimulatedDevice):
+        self.device = device
+        self._queue: queue.Queue = queue.Queue()
+        self._last_due = 0.0
+        threading.Thread(target=self._run, name="sim-lag", daemon=True).start()
+
+    def complete_later(self, event: SimulatedEvent) -> None:
+        due = max(self._last_due, time.perf_counter() + self.device.random.uniform(0, self.device.max_delay_s))
+        self._last_due = due
+        self._queue.put((due, event))
+
+    def _run(self) -> None:
+        while True:
+            due, event = self._queue.get()
+            time.sleep(max(due - time.perf_counter(), 0.0))
+            event._complete()
+
+
 def merge(into: dict[str, int], other: dict[str, int]) -> None:
     for name, epoch in other.items():
         into[name] = max(into.get(name, -1), epoch)
 
 
-class BufferRecord:
-    """What the ledger knows of one device buffer (a storage)."""
+def extent(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of what a view spans in its storage; None if it spans nothing."""
+    if tensor.numel() == 0:
+        return None
+    size = tensor.element_size()
+    first = tensor.storage_offset() * size
+    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.untyped_storage().data_ptr(), first, first + (last + 1) * size
 
-    def __init__(self):
-        self.last_copy: tuple[str, int] | None = None   # (stream, epoch) of the copy that filled it
-        self.last_read = -1                             # compute's epoch at its last read
+
+def overlapping(accesses: dict, start: int, end: int):
+    """The entries of {(start, end, ...): epoch} whose bytes meet [start, end)."""
+    return [(key, epoch) for key, epoch in accesses.items() if key[0] < end and start < key[1]]
+
+
+class BufferRecord:
+    """What the ledger knows of one storage, by byte range: device memory, pinned host memory, or a
+    tensor compute made that a copy then read. Each access map is {(start, end, stream): epoch}:
+    the latest epoch of that stream's queue at which it touched those bytes."""
+
+    def __init__(self, allocated: tuple[str, int] | None, pinned: bool = False):
+        self.allocated = allocated      # (stream, epoch) whose memory pool it came from; None: host memory
+        self.pinned = pinned
+        self.copied_in: dict = {}       # copies that wrote these bytes
+        self.copied_out: dict = {}      # copies that read them
+        self.computed: dict = {}        # compute's reads and writes, {(start, end, "compute"): epoch}
+        self.written: dict = {}         # compute's writes alone
+        self.used_on: dict[str, int] = {}  # streams other than the allocating one -> their last use
+        self.kept_for: set[str] = set()    # streams keep_alive (record_stream) named
+
+    def used(self, stream: str, epoch: int) -> None:
+        if self.allocated is not None and stream != self.allocated[0]:
+            self.used_on[stream] = max(self.used_on.get(stream, -1), epoch)
+
+    @staticmethod
+    def note(accesses: dict, start: int, end: int, stream: str, epoch: int) -> None:
+        key = (start, end, stream)
+        accesses[key] = max(accesses.get(key, -1), epoch)
+
+    @staticmethod
+    def overwritten(accesses: dict, start: int, end: int) -> None:
+        """Forgets the entries a new write of [start, end) covers whole (the ledger stays as small as the buffer's uses)."""
+        for key in [key for key in accesses if start <= key[0] and key[1] <= end]:
+            del accesses[key]
 
 
 class SimulatedDevice(Device):
@@ -156,16 +219,15 @@ class SimulatedDevice(Device):
         self.random = random.Random(seed)
         self.failures: list[BaseException] = []
         self.compute = SimulatedStream(self, "compute", threaded=False)
+        self.lag = Lag(self)
         # What the host has seen finish (synchronize). Apart from compute's clock: compute
         # waiting for an event on the device tells the host nothing, even though here the calling
         # thread is what waits.
         self.host_clock: dict[str, int] = {}
         self.streams = [self.compute]
-        self._buffers: dict[int, BufferRecord] = {}          # storage address -> record
-        self._copies_from: dict[int, list[tuple[str, int]]] = {}  # host storage address -> copies reading it
-        self._written_by: dict[int, tuple[str, int]] = {}  # storage address -> the last copy into it
+        self._records: dict[int, BufferRecord] = {}    # storage address -> what the ledger knows of it
+        self._made_by_compute: dict[int, int] = {}     # storage address -> compute's epoch when it made it
         self._all_copies: list[tuple[str, int]] = []
-        self._pinned: set[int] = set()  # storage addresses of pinned host memory
         self._adopted: set[int] = set()  # the threads that made this device their current one
         self._watcher: int | None = None  # the thread whose with watching() checks compute's reads
         self._lock = threading.Lock()
@@ -237,63 +299,83 @@ class SimulatedDevice(Device):
         if self.failures:
             raise self.failures[0]
 
-    # memory
+    # memory, and the caching allocator's rules
 
     def empty(self, nbytes: int) -> torch.Tensor:
+        """Device memory from the compute stream's pool (the calling thread's current stream, as torch's)."""
         self._queued_from_here()
         buffer = aligned_empty(nbytes)
-        self._track_device(buffer, nbytes)
+        self._track(buffer, BufferRecord(("compute", self.compute.epoch())), nbytes)
         return buffer
-
-    def to_device(self, host: torch.Tensor, stream) -> torch.Tensor:
-        target = torch.empty_like(host, memory_format=torch.contiguous_format)
-        self._track_device(target, target.nbytes)
-        self.copy(target, host, stream)
-        return target
-
-    def _track_device(self, tensor: torch.Tensor, nbytes: int) -> None:
-        address = tensor.untyped_storage().data_ptr()
-        with self._lock:
-            self._buffers[address] = BufferRecord()
-            self._copies_from.pop(address, None)  # an address freed and handed out again
-            self._written_by.pop(address, None)
-            self.allocated += nbytes
-            self.peak = max(self.peak, self.allocated)
-        weakref.finalize(tensor.untyped_storage(), self._free_device, address, nbytes)  # with its last view
-
-    def _free_device(self, address: int, nbytes: int) -> None:
-        with self._lock:
-            self._buffers.pop(address, None)
-            self.allocated -= nbytes
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         buffer = aligned_empty(nbytes)
         cost = self.pinned_cost(nbytes)
-        address = buffer.untyped_storage().data_ptr()
-        with self._lock:
-            self._copies_from.pop(address, None)
-            self._written_by.pop(address, None)
-            self._pinned.add(address)
-            self.pinned += cost
-            self.peak_pinned = max(self.peak_pinned, self.pinned)
-        weakref.finalize(buffer.untyped_storage(), self._free_pinned, address, cost)  # with its last view
+        self._track(buffer, BufferRecord(None, pinned=True), 0, cost)
         return buffer
 
     def adopt_host(self, array, mapping) -> torch.Tensor:
         tensor = super().adopt_host(array, mapping)
-        address = tensor.untyped_storage().data_ptr()
-        with self._lock:
-            self._copies_from.pop(address, None)
-            self._written_by.pop(address, None)
-            self._pinned.add(address)
-            self.adopted += tensor.nbytes
-        weakref.finalize(tensor.untyped_storage(), self._pinned.discard, address)
+        self._track(tensor, BufferRecord(None, pinned=True), 0)
+        self.adopted += tensor.nbytes
         return tensor
 
-    def _free_pinned(self, address: int, cost: int) -> None:
+    def _track(self, tensor: torch.Tensor, record: BufferRecord, nbytes: int, pinned_cost: int = 0) -> None:
+        address = tensor.untyped_storage().data_ptr()
         with self._lock:
-            self._pinned.discard(address)
-            self.pinned -= cost
+            self._records[address] = record  # an address freed and handed out again starts afresh
+            self._made_by_compute.pop(address, None)
+            self.allocated += nbytes
+            self.peak = max(self.peak, self.allocated)
+            self.pinned += pinned_cost
+            self.peak_pinned = max(self.peak_pinned, self.pinned)
+        weakref.finalize(tensor.untyped_storage(), self._free, address, record, nbytes, pinned_cost)  # with its last view
+
+    def _free(self, address: int, record: BufferRecord, nbytes: int, pinned_cost: int) -> None:
+        """The allocator takes the memory back: a GPU would hand it out again at once, so every use of it
+        must be ordered before the next user's, or kept alive (record_stream) for its stream."""
+        with self._lock:
+            if self._records.get(address) is record:
+                del self._records[address]
+            self.allocated -= nbytes
+            self.pinned -= pinned_cost
+        if record.pinned:
+            for (_, _, stream), epoch in [*record.copied_in.items(), *record.copied_out.items()]:
+                if self.host_clock.get(stream, -1) < epoch:
+                    self.failures.append(OrderingError(
+                        f"pinned host memory freed while a copy on {stream} may still use it: synchronize that copy first"))
+                    return
+            return
+        owner = record.allocated[0]
+        for stream, epoch in record.used_on.items():
+            ordered = self._stream(owner).clock.get(stream, -1) >= epoch or self.host_clock.get(stream, -1) >= epoch
+            if stream not in record.kept_for and not ordered:
+                self.failures.append(OrderingError(
+                    f"device memory from {owner}'s pool, used on {stream}, freed without keep_alive for {stream}: "
+                    f"{owner} may reuse it while {stream} still does"))
+                return
+
+    def _stream(self, name: str) -> SimulatedStream:
+        return next(stream for stream in self.streams if stream.name == name)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: SimulatedStream) -> None:
+        self._record_of(tensor).kept_for.add(stream.name)
+
+    def _record_of(self, tensor: torch.Tensor) -> BufferRecord:
+        """The ledger's record of tensor's storage; one is opened for a tensor compute made (device
+        memory from compute's pool) when a copy or keep_alive first names it."""
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        record = self._records.get(address)
+        if record is None:
+            made = self._made_by_compute.pop(address, None)
+            record = BufferRecord(("compute", made if made is not None else self.compute.epoch()))
+            if made is not None:
+                BufferRecord.note(record.written, 0, storage.nbytes(), "compute", made)
+            with self._lock:
+                self._records[address] = record
+            weakref.finalize(storage, self._free, address, record, 0, 0)
+        return record
 
     def pinned_cost(self, nbytes: int) -> int:
         return 1 << max(nbytes - 1, 0).bit_length()
@@ -308,25 +390,42 @@ class SimulatedDevice(Device):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimulatedStream) -> None:
         self._queued_from_here()
-        if not {dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()} & self._pinned:
+        written, read = self._record_of(dst), self._record_of(src)
+        if not (written.pinned or read.pinned):
             raise PageableCopyError(f"a copy on {stream} between the device and pageable host memory: a GPU would "
                                     "block the host on it (allocate the host side with pinned_empty)")
-        record = self._buffers.get(dst.untyped_storage().data_ptr())
-        epoch = stream.epoch()
-        if record is not None:
-            if record.last_read > stream.clock.get("compute", -1):
-                raise OrderingError(
-                    f"a copy on {stream} into a device buffer is not ordered after compute's last read of it "
-                    f"(compute epoch {record.last_read}, the copy has seen {stream.clock.get('compute', -1)})"
-                )
-            record.last_copy = (stream.name, epoch)
+        epoch, seen = stream.epoch(), stream.clock
+        target, source = extent(dst), extent(src)
+        if target is not None and not written.pinned:
+            _, start, end = target
+            owner, allocated = written.allocated
+            if owner != stream.name and seen.get(owner, -1) < allocated:
+                raise OrderingError(f"a copy on {stream} writes device memory from {owner}'s pool before it is ordered "
+                                    f"after the allocation ({owner} may still be using what was there)")
+            for (_, _, _), last in overlapping(written.computed, start, end):
+                if seen.get("compute", -1) < last:
+                    raise OrderingError(
+                        f"a copy on {stream} into a device buffer is not ordered after compute's last read of it "
+                        f"(compute epoch {last}, the copy has seen {seen.get('compute', -1)})")
+            BufferRecord.overwritten(written.computed, start, end)
+            BufferRecord.overwritten(written.copied_in, start, end)
+            BufferRecord.overwritten(written.written, start, end)
             self._all_copies.append((stream.name, epoch))
-        source = src.untyped_storage().data_ptr()
-        writer = self._written_by.get(source)
-        if writer is not None and writer[0] != stream.name and stream.clock.get(writer[0], -1) < writer[1]:
-            raise OrderingError(f"a copy on {stream} reads a buffer before the copy on {writer[0]} that writes it")
-        self._copies_from.setdefault(source, []).append((stream.name, epoch))
-        self._written_by[dst.untyped_storage().data_ptr()] = (stream.name, epoch)
+        if source is not None:
+            _, start, end = source
+            for (_, _, writer), last in overlapping(read.copied_in, start, end):
+                if writer != stream.name and seen.get(writer, -1) < last:
+                    raise OrderingError(f"a copy on {stream} reads a buffer before the copy on {writer} that writes it")
+            if stream is not self.compute:
+                for _, last in overlapping(read.written, start, end):
+                    if seen.get("compute", -1) < last:
+                        raise OrderingError(f"a copy on {stream} reads device memory before compute's write of it "
+                                            "(no wait for compute)")
+            BufferRecord.note(read.copied_out, start, end, stream.name, epoch)
+            read.used(stream.name, epoch)
+        if target is not None:
+            BufferRecord.note(written.copied_in, target[1], target[2], stream.name, epoch)
+            written.used(stream.name, epoch)
         stream.submit(self._landing(dst, src, stream is not self.compute))
 
     def _landing(self, dst: torch.Tensor, src: torch.Tensor, delayed: bool):
@@ -347,19 +446,48 @@ class SimulatedDevice(Device):
         return land
 
     def read(self, tensor: torch.Tensor) -> None:
-        """Compute reads tensor: if it lies in a device buffer, that buffer's copy must come first."""
-        record = self._buffers.get(tensor.untyped_storage().data_ptr())
+        """Compute reads tensor: if it lies in device memory, the copies that filled those bytes come first."""
+        record, span = self._device_record(tensor)
         if record is None:
             return
-        if record.last_copy is not None:
-            stream, epoch = record.last_copy
-            if self.compute.clock.get(stream, -1) < epoch:
+        _, start, end = span
+        for (_, _, stream), last in overlapping(record.copied_in, start, end):
+            if stream != "compute" and self.compute.clock.get(stream, -1) < last:
                 raise OrderingError(f"compute reads a device buffer before the copy on {stream} that fills it (no wait for its event)")
-        record.last_read = self.compute.epoch()
+        epoch = self.compute.epoch()
+        BufferRecord.note(record.computed, start, end, "compute", epoch)
+        record.used("compute", epoch)
+
+    def wrote(self, tensor: torch.Tensor) -> None:
+        """Compute wrote tensor: device memory it made, or bytes of a tracked buffer (an in-place op)."""
+        record, span = self._device_record(tensor)
+        if span is None:
+            return
+        if record is None:
+            self._made_by_compute[span[0]] = self.compute.epoch()
+            return
+        _, start, end = span
+        epoch = self.compute.epoch()
+        BufferRecord.note(record.computed, start, end, "compute", epoch)
+        BufferRecord.note(record.written, start, end, "compute", epoch)
+        record.used("compute", epoch)
+
+    def _device_record(self, tensor: torch.Tensor):
+        span = extent(tensor)
+        if span is None:
+            return None, None
+        record = self._records.get(span[0])
+        if record is not None and record.pinned:  # the host's own memory: the host reads and writes it at once
+            return None, None
+        return record, span
 
     def engine_writes(self, host: torch.Tensor) -> None:
-        """The I/O engine is about to write into host: every copy reading it must be seen finished."""
-        for stream, epoch in self._copies_from.get(host.untyped_storage().data_ptr(), []):
+        """The I/O engine is about to write into host: every copy reading those bytes must be seen finished."""
+        span = extent(host)
+        record = self._records.get(span[0]) if span is not None else None
+        if record is None:
+            return
+        for (_, _, stream), epoch in overlapping(record.copied_out, span[1], span[2]):
             if self.host_clock.get(stream, -1) < epoch and stream != "compute":
                 raise OrderingError(f"the engine reads into a host buffer while a copy from it on {stream} may be in flight")
 
@@ -398,7 +526,31 @@ class ReadChecker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.is_view:  # a view reads nothing: the runtime slices buffers to queue copies into them
             return func(*args, **(kwargs or {}))
+        narrowed = rows_read(func, args, kwargs or {})
         for leaf in tree_leaves((args, kwargs or {})):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                self.device.read(leaf)
-        return func(*args, **(kwargs or {}))
+                for part in narrowed.get(id(leaf), [leaf]):
+                    self.device.read(part)
+        result = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(result):  # what it made, or wrote in place (an in-place op returns its target)
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+                self.device.wrote(leaf)
+        return result
+
+
+def rows_read(func, args, kwargs) -> dict[int, list[torch.Tensor]]:
+    """{id(argument): the rows it reads} for kernels that read a stack of experts by index, so the
+    ledger checks the experts routed to, as a GPU reads them, not the whole stack: a copy of an
+    expert no token was routed to may still be landing in its own rows."""
+    if func is torch.ops.aten._grouped_mm.default:
+        weights = args[1]
+        offsets = args[2] if len(args) > 2 else kwargs.get("offs")
+        if offsets is not None and weights.dim() == 3:
+            ends = offsets.tolist()
+            return {id(weights): [weights[e] for e, (start, end) in enumerate(zip([0, *ends], ends)) if end > start]}
+    if func is torch.ops.aten.index.Tensor:
+        source, indices = args[0], args[1]
+        if indices and indices[0] is not None and not indices[0].dtype.is_floating_point \
+                and indices[0].dtype != torch.bool and all(index is None for index in indices[1:]):
+            return {id(source): [source[row] for row in sorted(set(indices[0].flatten().tolist()))]}
+    return {}

@@ -256,6 +256,7 @@ def test_a_copy_between_the_device_and_pageable_host_memory_is_caught():
     sim = SimulatedDevice()
     sim.adopt_thread()
     target, stream = sim.empty(8192), sim.new_stream()
+    sim.wait_stream(stream, sim.compute)  # target comes from compute's memory
     with pytest.raises(PageableCopyError, match="pageable host memory"):
         sim.copy(target, aligned_empty(8192), stream)
     pinned = sim.pinned_empty(8192).view(torch.int32)[:1024]  # pinned through a view of it, the first tensor gone

@@ -56,8 +56,14 @@ def test_moe_generation_streamed_per_expert_equals_transformers(tiny, setup, dep
 @pytest.mark.parametrize("depth", [1, 2, 4])
 @pytest.mark.parametrize("setup", ["nvme", "cpu"])
 def test_moe_generation_on_a_gpu_copies_only_routed_experts_and_equals_transformers(tiny, setup, depth, gpu):
-    """From host memory too: a GPU copies the dense part and the routed experts only."""
-    check_equal(tiny, SETUPS[setup], depth, gpu)
+    """From host memory too: a GPU copies the dense part and the routed experts only, every layer
+    through the ring (no GPU memory for resident layers), each expert copied into its own byte range
+    of the slot, which the simulated device's ledger checks range by range."""
+    layout, _ = tiny
+    layers = [b.name for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.")]
+    check_equal(tiny, {**SETUPS[setup], "gpu_memory": 0}, depth, gpu, streamed=len(layers))
+    with zerolite.load(layout, device=gpu, prefetch_depth=depth, gpu_memory=0, show_progress=False, **SETUPS[setup]) as lm:
+        assert lm.per_expert == frozenset(layers)
 
 
 def record_routing(lm) -> list[list[set[int]]]:
