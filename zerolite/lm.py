@@ -114,11 +114,13 @@ class OffloadedLM:
         """The streamed layers whose experts are read apart, only those the router picks."""
         return self.executor.per_expert
 
-    def new_cache(self):
-        """The cache generate would make: with kv_offload, that share of the layers' K/V in host memory."""
+    def new_cache(self, tokens: int = 0):
+        """The cache generate would make: with kv_offload, that share of the layers' K/V in host memory,
+        its buffers made for tokens (where the job's length is known) from the pool all caches share."""
         fraction = self.policy.kv_offload
         if fraction > 0:
-            return PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_streams)
+            return PartialOffloadCache(self.model.config, fraction, self.device, self.executor.kv_streams,
+                                       self.executor.kv_buffers, tokens)
         return DynamicCache(config=self.model.config.get_text_config(decoder=True))
 
     def recover(self) -> None:
@@ -160,17 +162,21 @@ class OffloadedLM:
             config.disable_compile = True
             if offload_kv:
                 config.cache_implementation = None
-        cache = self.new_cache() if offload_kv else None
+        cache = self.new_cache(job_length(args[0] if args else kwargs.get("input_ids"), kwargs, config)) if offload_kv else None
         if cache is not None:
             kwargs["cache"] = cache
+        output = None
         try:
-            return self.model.generate(*args, **kwargs)
+            output = self.model.generate(*args, **kwargs)
+            return output
         except BaseException:
             self.recover()
             raise
         finally:
-            if cache is not None:
-                cache.settle()
+            if cache is not None and getattr(output, "past_key_values", None) is not cache:
+                cache.release()  # its host buffers serve the next generate
+            elif cache is not None:
+                cache.settle()  # the caller has it
 
     def close(self) -> None:
         self.executor.close()
@@ -292,3 +298,9 @@ def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, dev
     return draft
 
 
+def job_length(input_ids, kwargs: dict, config) -> int:
+    """How many tokens a generate call's sequences reach at most (0 where that is not known)."""
+    new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    if new is not None and isinstance(input_ids, torch.Tensor):
+        return input_ids.shape[-1] + new
+    return kwargs.get("max_length", config.max_length) or 0

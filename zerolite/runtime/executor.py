@@ -38,6 +38,7 @@ from zerolite.moe.counts import ExpertCounts
 from zerolite.moe.routing import ExpertRouting, streamed_per_expert
 from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
+from zerolite.runtime.kv_cache import HostBufferPool
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.resident import load_resident
@@ -93,8 +94,9 @@ class Executor:
         self.slots = Slots(manifest, self.disk if plan.on_disk else None, memory, policy.prefetch_depth, device,
                            slot_bytes, timeline, self.per_expert, self.expert_cache)
         self.schedule = Schedule(list(plan.streamed))
-        # (fetches, appends) for every K/V cache it offloads
+        # (fetches, appends) and the pinned host buffers for every K/V cache it offloads
         self.kv_streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None
+        self.kv_buffers = HostBufferPool(device)
         # What the ring reads ahead: blocks that need a transfer. Where host memory is the device's,
         # a block held there needs none, so the disk reads on through such layers instead of idling.
         self._transferred = frozenset(plan.streamed if device.separate_memory else plan.on_disk)

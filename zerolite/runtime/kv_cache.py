@@ -5,8 +5,9 @@ values on the host between uses (pinned on CUDA), so the batch can grow past dev
     model.generate(**batch, cache=cache)
 
 An offloaded layer's K/V are copied to the device one layer ahead of use, on a stream of their
-own, and each step's new keys and values are appended to the host copy in place (its buffer grows
-by doubling) on another, so a step moves the layer's K/V in once and only the new tokens out, and
+own, and each step's new keys and values are appended to the host copy in place (its buffer made
+at the job's length where generate knows it, else grown by doubling, and taken from a pool the
+caches share, so pinning stays off the hot path) on another, so a step moves the layer's K/V in once and only the new tokens out, and
 neither copy holds up compute (a long prefill's appends would). A fetch waits for that layer's
 last appends and for the compute queued before it (its targets come from compute's memory): it
 still runs while the layer before computes. The attention
@@ -26,6 +27,29 @@ from zerolite.io.device import Device
 MIN_TOKENS = 256  # the first host buffer's length: appends then rarely reallocate
 
 
+class HostBufferPool:
+    """Pinned host buffers for the K/V of the caches one executor makes. Pinning maps and registers
+    memory with the GPU's driver, milliseconds per GB, so buffers a cache is done with come back
+    here and the next cache that needs that size takes them: a second batch of the same shape pins
+    nothing. A size no buffer here has frees them all first, so the pool never holds more than the
+    last cache gave back."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        self._free: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if not self._free.get(nbytes):
+            self._free.clear()
+            return self.device.pinned_empty(nbytes)
+        return self._free[nbytes].pop()
+
+    def give(self, *buffers: torch.Tensor) -> None:
+        """Buffers no copy reads or writes any more (the caller settled them)."""
+        for buffer in buffers:
+            self._free.setdefault(buffer.nbytes, []).append(buffer)
+
+
 class HostLayer(DynamicLayer):
     """One layer's K/V in host memory; update() hands the attention device tensors, as DynamicLayer does.
 
@@ -35,14 +59,17 @@ class HostLayer(DynamicLayer):
     self.keys and self.values stay [batch, heads, length, head_dim] views of them, as transformers expects.
     """
 
-    def __init__(self, host: Device, streams):
+    def __init__(self, host: Device, streams, pool: HostBufferPool, tokens: int = 0):
         super().__init__()
         self.host = host              # the zerolite Device: its streams, events and pinned memory
+        self.pool = pool              # where the host buffers come from and go back to
+        self.tokens = tokens          # the length the host buffers are first made for (the job's, if known)
         # (fetches, appends): the streams the host-to-device and device-to-host copies go on, so
         # that neither holds up compute; None where memory is shared
         self.fetches, self.appends = streams or (None, None)
         self._fetched = None          # (keys, values, ready event) brought to the device ahead of use
         self._buffers = None          # (keys, values) sequence-first host buffers with room to grow
+        self._pinned = None           # the pool's flat buffers under them
         self._appended = None         # event: this layer's last appends have landed in the host buffers
         self._fetch_done = None       # event: the last fetch has finished reading the host buffers
 
@@ -112,15 +139,18 @@ class HostLayer(DynamicLayer):
 
     def _grow(self, length: int) -> None:
         self.settle()
-        capacity = max(2 * length, MIN_TOKENS)
+        capacity = max(2 * length, MIN_TOKENS, self.tokens)
         batch, heads, used = self.keys.shape[:3]
-        grown = []
+        grown, pinned = [], []
         for old in (self.keys, self.values):
             shape = (capacity, batch, heads, old.shape[-1])
-            buffer = self.host.pinned_empty(math.prod(shape) * self.dtype.itemsize).view(self.dtype).view(shape)
+            pinned.append(self.pool.take(math.prod(shape) * self.dtype.itemsize))
+            buffer = pinned[-1].view(self.dtype).view(shape)
             buffer[:used].copy_(old.permute(2, 0, 1, 3))
             grown.append(buffer)
-        self._buffers = tuple(grown)
+        if self._pinned is not None:
+            self.pool.give(*self._pinned)
+        self._buffers, self._pinned = tuple(grown), tuple(pinned)
         self.keys, self.values = (buffer[:used].permute(1, 2, 0, 3) for buffer in grown)
 
     def settle(self) -> None:
@@ -133,8 +163,11 @@ class HostLayer(DynamicLayer):
                 event.synchronize()
 
     def reset(self) -> None:
+        """Empties the layer and hands its host buffers back to the pool."""
         self.settle()
-        self._buffers = None
+        if self._pinned is not None:
+            self.pool.give(*self._pinned)
+        self._buffers = self._pinned = None
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -157,14 +190,18 @@ class HostLayer(DynamicLayer):
 class PartialOffloadCache(DynamicCache):
     """A DynamicCache with a fraction of its full-attention layers in host memory, spread evenly."""
 
-    def __init__(self, config: PretrainedConfig, fraction: float, device: Device, streams=None):
+    def __init__(self, config: PretrainedConfig, fraction: float, device: Device, streams=None,
+                 pool: HostBufferPool | None = None, tokens: int = 0):
         """streams: (fetches, appends), the streams the K/V copies go on (new ones if not given); an
-        executor keeps one pair for all its caches, since devices hand out streams from a small pool."""
+        executor keeps one pair for all its caches, since devices hand out streams from a small pool,
+        and one pool of host buffers. tokens: the length the job will reach, where it is known, so the
+        host buffers are made once at that size instead of growing."""
         super().__init__(config=config)
         if device.separate_memory and streams is None:
             streams = (device.new_stream(), device.new_stream())
+        pool = pool or HostBufferPool(device)
         for i in host_layers(self.layers, fraction):
-            self.layers[i] = HostLayer(device, streams)
+            self.layers[i] = HostLayer(device, streams, pool, tokens)
 
     def settle(self) -> None:
         """Waits for the appends and fetches still in flight: before the host buffers are freed
@@ -172,6 +209,12 @@ class PartialOffloadCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, HostLayer):
                 layer.settle()
+
+    def release(self) -> None:
+        """The job is done with the cache: its host buffers go back to the pool, for the next one."""
+        for layer in self.layers:
+            if isinstance(layer, HostLayer):
+                layer.reset()
 
     @property
     def offloaded(self) -> list[int]:

@@ -94,7 +94,7 @@ class RunningBatch:
     def reset(self) -> None:
         """Drops every row (after a failed forward, the cache is not to be trusted)."""
         if isinstance(self.cache, PartialOffloadCache):
-            self.cache.settle()
+            self.cache.release()  # its host buffers serve the next
         self.rows = []
         self.cache = None
 
