@@ -6,28 +6,35 @@
         lm.generate(...)
 
 Device memory is separate CPU tensors, so every copy really happens. The compute stream is the
-calling thread: work runs as it is queued, as if the GPU were infinitely fast. Every other stream is
-a worker thread running its queue in order; a copy lands in chunks after a seeded random delay, so
-compute that reads a buffer before its copy has landed sees wrong bytes. Events are real: they
-complete when their stream reaches them, with timestamps; elapsed_time raises, as CUDA's does, unless
-both events were made for timing and are done (the host must have synchronized them).
+calling thread: work runs as it is queued, but its events complete after a random lag on a timer
+thread, as a GPU runs behind the host. Every other stream is a worker thread running its queue in
+order; a copy lands in chunks after a seeded random delay, so compute that reads a buffer before its
+copy has landed sees wrong bytes. elapsed_time raises, as CUDA's does, unless both events were made
+for timing and are done (the host must have synchronized them).
 
-A happens-before ledger (vector clocks, assigned when work is queued, as CUDA orders it) checks
-four rules and raises OrderingError at the first break:
-  - a copy into a device buffer is ordered after compute's last read of it;
-  - compute reads a device buffer only after the copy that filled it (it waited for its event);
-  - a copy reads a buffer only after the copy on another stream that last wrote it (K/V appends
-    before the next fetch);
-  - the engine reads into a host buffer only once the host has seen every copy from it finish.
-compute_after_copies() checks a fourth, at teardown: compute is ordered after every copy queued.
+A happens-before ledger (vector clocks, assigned when work is queued, as CUDA orders it) keeps, for
+every storage and byte range, who last touched it, and raises OrderingError at the first break of:
+  - a copy into device memory is ordered after compute's last read or write of those bytes;
+  - compute reads device bytes only after the copies that filled them (it waited for their
+    events); kernels that read a stack of experts by index (grouped_mm, index) read only the rows
+    routed to, as on a GPU, so an unrouted expert may still be landing;
+  - a copy reads bytes only after the copy on another stream that wrote them, and after compute's
+    write of them (K/V appends wait for the attention that made the keys);
+  - the engine reads into host bytes only once the host has seen every copy from them finish.
+The caching allocator's rules too: device memory comes from the pool of the stream that allocated
+it (empty: compute's), so a copy on another stream writes it only once ordered after the
+allocation; memory used on a stream other than its own and freed is reused at once, so that use
+must be ordered before its own stream's next work, seen by the host, or kept alive (keep_alive,
+record_stream); pinned memory freed while a copy of it is unseen is freed under the copy.
+compute_after_copies() checks one more at teardown: compute is ordered after every copy queued.
 Every copy's host side must be pinned (pinned_empty, adopt_host), or PageableCopyError: CUDA runs a
 copy from pageable memory synchronously, the host blocked, and the overlap is gone.
 Device work (an allocation, a copy, an event, a wait) queued from a thread that never called
 adopt_thread raises OrderingError: on a GPU it would go to that thread's current device, GPU 0.
 Under watching(), each adopted thread's compute reads are checked as the watching thread's are.
 
-Free device memory comes from a configured total; pinned host allocations are counted at the
-next power of two, the way torch's pinned caching allocator rounds them.
+Free device memory comes from a configured total; pinned host allocations are counted as the real
+device counts them (Device.pinned_cost: page-rounded, not torch's powers of two).
 """
 
 from __future__ import annotations
@@ -376,9 +383,6 @@ class SimulatedDevice(Device):
                 self._records[address] = record
             weakref.finalize(storage, self._free, address, record, 0, 0)
         return record
-
-    def pinned_cost(self, nbytes: int) -> int:
-        return 1 << max(nbytes - 1, 0).bit_length()
 
     def memory(self) -> tuple[int, int]:
         return self.memory_bytes - self.allocated, self.memory_bytes

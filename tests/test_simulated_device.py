@@ -5,6 +5,7 @@ static cache)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import namedtuple
 
@@ -37,6 +38,11 @@ def tiny(make_source, make_layout):
     """A tiny Llama's layout and transformers' greedy tokens on its weights in RAM."""
     model = AutoModelForCausalLM.from_pretrained(make_source("llama", layers=LAYERS), dtype=torch.float32)
     return make_layout("llama", layers=LAYERS), greedy(model, ROWS, NEW_TOKENS)
+
+
+def power_of_two(nbytes: int) -> int:
+    """A pinning that rounds up to a power of two, as torch's pinned caching allocator does."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def layer_bytes(layout) -> int:
@@ -122,11 +128,12 @@ def test_without_ordering_compute_after_copies_the_teardown_race_is_caught(tiny)
 
 
 def test_pinned_memory_is_counted_at_what_pinning_takes(tiny, monkeypatch):
-    """Pinned allocations round up (here to a power of two, as torch's caching allocator does):
-    the host budget holds fewer layers than their raw size suggests, and what is pinned stays
-    within the budget and the ring."""
+    """Pinned allocations round up (a real device to pages, 2 MiB for large ones; here, to make it
+    matter for tiny layers, to a power of two): the host budget holds fewer layers than their raw
+    size suggests, and what is pinned stays within the budget and the ring."""
     layout, expected = tiny
     sim = SimulatedDevice()
+    sim.pinned_cost = power_of_two
     layer = layer_bytes(layout)
     cost = sim.pinned_cost(layer)
     assert cost > layer
@@ -229,6 +236,7 @@ def test_batch_size_auto_counts_host_kv_at_what_pinning_takes(tiny, monkeypatch)
     buffers grow by doubling), rounded as pinning rounds it."""
     layout, _ = tiny
     sim = SimulatedDevice(memory_bytes=1 << 40)  # device memory is never the limit here
+    sim.pinned_cost = power_of_two
     with zerolite.load(layout, device=sim, cpu_memory=0, gpu_memory=0, kv_offload=1.0, show_progress=False) as lm:
         prompt, new = 40, 24
         kv = kv_bytes_per_token(lm.config, lm.model.dtype) * (prompt + new)
@@ -275,3 +283,120 @@ def test_device_work_from_a_thread_that_never_adopted_the_device_is_caught(tiny)
         thread.start()
         thread.join()
         assert "never adopted the device" in str(failed[0].value)
+
+
+# The ledger's rules, one at a time, on hand-made work: each break is caught, and the same work
+# with its ordering step is not.
+
+def adopted_device(**options) -> SimulatedDevice:
+    sim = SimulatedDevice(**options)
+    sim.adopt_thread()
+    return sim
+
+
+def test_the_simulated_ledger_tracks_byte_ranges_so_a_half_waited_for_is_readable():
+    sim = adopted_device(max_delay_s=0.02)
+    stream, host, target = sim.new_stream(), sim.pinned_empty(8192), sim.empty(8192)
+    sim.wait_stream(stream, sim.compute)  # target comes from compute's memory
+    with sim.watching():
+        sim.copy(target[:4096], host[:4096], stream)
+        first = sim.record(stream)
+        sim.copy(target[4096:], host[4096:], stream)  # still landing
+        sim.wait_event(sim.compute, first)
+        target[:4096].sum()
+        with pytest.raises(OrderingError, match="before the copy on stream1 that fills it"):
+            target[4096:].sum()
+
+
+def test_the_simulated_ledger_lets_grouped_mm_read_only_the_experts_routed_to():
+    sim = adopted_device(max_delay_s=0.02)
+    stream, host, slot = sim.new_stream(), sim.pinned_empty(4 * 16 * 4), sim.empty(4 * 16 * 4)
+    experts = slot.view(torch.float32).view(4, 4, 4)
+    sim.wait_stream(stream, sim.compute)
+    with sim.watching():
+        sim.copy(slot[:2 * 64], host[:2 * 64], stream)  # experts 0 and 1
+        sim.wait_event(sim.compute, sim.record(stream))
+        sim.copy(slot[3 * 64:], host[3 * 64:], stream)  # expert 3, guessed, still landing
+        rows = torch.ones(3, 4)
+        torch._grouped_mm(rows, experts, offs=torch.tensor([1, 3, 3, 3], dtype=torch.int32))  # tokens to 0 and 1
+        with pytest.raises(OrderingError, match="fills it"):
+            torch._grouped_mm(rows, experts, offs=torch.tensor([1, 2, 2, 3], dtype=torch.int32))  # one to 3
+
+
+def test_the_simulated_ledger_orders_a_copy_after_computes_write_of_what_it_reads():
+    sim = adopted_device()
+    appends, host = sim.new_stream(), sim.pinned_empty(64)
+    with sim.watching():
+        keys = torch.ones(16) * 2  # made by compute
+        with pytest.raises(OrderingError, match="before compute's write"):
+            sim.copy(host.view(torch.float32), keys, appends)
+        keys = torch.ones(16) * 3
+        sim.wait_stream(appends, sim.compute)
+        sim.copy(host.view(torch.float32), keys, appends)
+        sim.keep_alive(keys, appends)
+
+
+def test_the_simulated_allocator_orders_a_copy_into_computes_memory_after_the_allocation():
+    sim = adopted_device()
+    stream, host = sim.new_stream(), sim.pinned_empty(4096)
+    target = sim.empty(4096)
+    with pytest.raises(OrderingError, match="from compute's pool before it is ordered after the allocation"):
+        sim.copy(target, host, stream)
+    sim.wait_stream(stream, sim.compute)
+    sim.copy(target, host, stream)
+    sim.synchronize()
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_the_simulated_allocator_needs_keep_alive_for_memory_freed_while_another_stream_uses_it(kept):
+    sim = adopted_device(max_delay_s=0.02)
+    appends, host = sim.new_stream(), sim.pinned_empty(64)
+    with pytest.raises(OrderingError, match="freed without keep_alive") if not kept else contextlib.nullcontext():
+        with sim.watching():
+            keys = torch.ones(16) * 2
+            sim.wait_stream(appends, sim.compute)
+            sim.copy(host.view(torch.float32), keys, appends)
+            if kept:
+                sim.keep_alive(keys, appends)
+            del keys  # compute's pool may hand it out again while the copy still reads it
+            sim.synchronize()
+
+
+def test_the_simulated_allocator_catches_pinned_memory_freed_under_a_copy():
+    sim = adopted_device(max_delay_s=0.02)
+    stream, target = sim.new_stream(), sim.empty(4096)
+    sim.wait_stream(stream, sim.compute)
+    host = sim.pinned_empty(4096)
+    sim.copy(target, host, stream)
+    del host  # unpinned and unmapped while the copy may still read it
+    with pytest.raises(OrderingError, match="pinned host memory freed while a copy"):
+        sim.synchronize()
+
+
+def test_the_simulated_compute_stream_lags_the_host():
+    sim = adopted_device(max_delay_s=0.05, seed=1)
+    begin, end = sim.record(timing=True), sim.record(timing=True)
+    with pytest.raises(RuntimeError, match="not yet done"):
+        begin.elapsed_time(end)
+    end.synchronize()
+    begin.synchronize()
+    assert begin.elapsed_time(end) >= 0
+
+
+def test_kv_host_buffers_are_pinned_once_per_job_and_reused_by_the_next_on_the_simulated_device(tiny, monkeypatch):
+    """Pinning registers memory with the driver, milliseconds per GB: not on the hot path. Made at the
+    job's length (no growth where the buffers would have grown at every other step), and the next
+    batch of that shape takes them back from the pool."""
+    layout, expected = tiny
+    monkeypatch.setattr(zerolite.runtime.kv_cache, "MIN_TOKENS", 1)
+    sim = SimulatedDevice(seed=11)
+    pins = []
+    pinned_empty = sim.pinned_empty
+    monkeypatch.setattr(sim, "pinned_empty", lambda nbytes: pins.append(nbytes) or pinned_empty(nbytes))
+    with sim.watching():
+        with zerolite.load(layout, device=sim, offload="nvme", cpu_memory=0, gpu_memory=0, kv_offload=1.0,
+                           show_progress=False) as lm:
+            for job in range(2):
+                before = len(pins)
+                assert torch.equal(greedy(lm, ROWS, NEW_TOKENS), expected)
+                assert len(pins) - before == (2 * LAYERS if job == 0 else 0), job
