@@ -23,7 +23,17 @@ from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
 from zerolite.io.engine import IoEngine
 from zerolite.layout.folder import Layout
 from zerolite.quant.quantize import SCALE_ZERO_SUFFIX, WeightScheme, quantize_int4
-from zerolite.quant.linear import Int4Linear, QuantizedLinear, dequantize_int4
+from zerolite.quant.linear import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    dense_bytes,
+    dequantize_int4,
+    dequantize_workspace,
+)
+from zerolite.runtime.budget import Budgets, reserve
+from zerolite.runtime.policy import Policy
+from simulated_device import SimulatedDevice
 from zerolite.layout.store import DiskStore
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
@@ -146,6 +156,47 @@ def test_quantized_layout_matches_its_dequantised_weights_on_a_gpu(quantized, gp
     layout, expected = quantized
     with zerolite.load(layout, device=gpu, offload="nvme", cpu_memory=0, gpu_memory=0, show_progress=False) as lm:
         assert_close_to_reference(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True))
+
+
+@pytest.mark.cuda
+def test_quantized_layers_resident_on_a_gpu_are_dequantised_once_at_load(quantized, gpu, monkeypatch):
+    """Every layer resident (a device budget that holds them with their dense copies): not one
+    dequantisation while generating, and the tokens as the streamed path's."""
+    layout, expected = quantized
+    calls = []
+    for kind in (Int8Linear, Int4Linear):
+        dequantized = kind.dequantized
+        monkeypatch.setattr(kind, "dequantized", lambda module, dtype, f=dequantized: calls.append(module) or f(module, dtype))
+    with zerolite.load(layout, device=gpu, offload="nvme", cpu_memory=0, show_progress=False) as lm:
+        quantized_modules = [m for m in lm.model.modules() if isinstance(m, QuantizedLinear)]
+        assert lm.plan.streamed == () and len(calls) == len(quantized_modules) > 0  # once each, at load
+        assert_close_to_reference(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True))
+        assert len(calls) == len(quantized_modules)
+
+
+def test_a_plan_on_a_simulated_gpu_counts_resident_quantized_layers_dequantised(quantized):
+    layout, _ = quantized
+    manifest = Layout.open(layout).manifest
+    layers, always = manifest.layer_names, [b.name for b in manifest.blocks if b.name not in manifest.layer_names]
+    widest = max(manifest.block(name).length for name in layers)
+    dense = max(dense_bytes(manifest, name) for name in layers)
+    assert dense > widest / 2  # int8 weights widen to fp32 four times, int4 eight
+    room = manifest.nbytes(always) + sum(dense_bytes(manifest, name) for name in always) + 2 * (widest + dense)
+    with zerolite.load(layout, device=SimulatedDevice(), offload="nvme", cpu_memory=0, gpu_memory=room,
+                       show_progress=False) as lm:
+        assert sum(name in lm.plan.resident for name in layers) == 2
+    assert (room - manifest.nbytes(always)) // widest > 2  # at their stored size alone, more would have fit
+
+
+def test_the_default_gpu_budget_on_the_simulated_device_leaves_room_to_dequantise_the_largest_weight(quantized):
+    layout, _ = quantized
+    manifest = Layout.open(layout).manifest
+    sim = SimulatedDevice(memory_bytes=8 << 30)
+    policy = Policy(offload="nvme", device="cpu")
+    slot = max(manifest.block(name).length for name in manifest.layer_names)
+    workspace = dequantize_workspace(manifest)
+    assert workspace >= 2 * max(t.nbytes for b in manifest.blocks for t in b.tensors if t.dtype in ("int8", "uint8"))
+    assert Budgets.make(manifest, policy, sim).device == (8 << 30) - policy.prefetch_depth * slot - reserve(8 << 30) - workspace
 
 
 @pytest.mark.parametrize(("weights", "group_size", "most"), [("int8", None, 0.55), ("int4", 64, 0.30)])

@@ -17,6 +17,7 @@ from cli_runner import assert_one_line_error, run, run_tool
 from helpers import greedy
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
+from zerolite.quant.linear import Int8Linear
 from zerolite.spec.decoding import LONGEST_DRAFT, DraftLength, judge
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
@@ -73,6 +74,19 @@ def test_a_draft_on_a_gpu_with_kv_offload_leaves_greedy_output_as_it_was(arch, m
     plain, drafted, _, _ = plain_and_drafted(layout, str(other), device=gpu, offload="nvme", cpu_memory=0,
                                              gpu_memory=0, kv_offload=0.5)
     assert torch.equal(plain, drafted)
+
+
+
+@pytest.mark.cuda
+def test_a_self_int8_draft_on_a_gpu_keeps_its_head_unquantized_and_the_output_as_it_was(make_layout, gpu):
+    """On a CPU the head is quantized as the draft loads (its kernel reads int8); a GPU would
+    dequantise it at every guess, gigabytes of temporaries for a large vocabulary: it stays as stored."""
+    layout = make_layout("llama", layers=4, fresh=True)
+    plain, drafted, _, _ = plain_and_drafted(layout, "self-int8", device=gpu, offload="nvme", cpu_memory=0, gpu_memory=0)
+    assert torch.equal(plain, drafted)
+    for device, quantized in ((gpu, False), ("cpu", True)):
+        with zerolite.load(layout, draft="self-int8", device=device, show_progress=False) as lm:
+            assert isinstance(lm.draft.model.get_output_embeddings(), Int8Linear) is quantized
 
 
 SAMPLES = 600

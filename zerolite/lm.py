@@ -293,7 +293,7 @@ def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, dev
     check_same_vocabulary(tokenizer, AutoConfig.from_pretrained(target.folder), folder)
     check_draft_fits(Layout.open(folder), device)
     draft = load(folder, offload="none", device=device, show_progress=show_progress, world=SINGLE)  # each rank its own
-    if spec in SELF_DRAFTS:
+    if spec in SELF_DRAFTS and not device.separate_memory:  # a GPU would dequantise it at every guess
         quantize_head(draft)
     return draft
 

@@ -48,15 +48,20 @@ class QuantizedLinear(nn.Module):
         self.out_features = out_features
         self.dequantize = dequantize
         self.bias = bias
+        self.dense: torch.Tensor | None = None  # the weight dequantised once, for a layer resident on a GPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # contiguous: the kernels read rows as they lie
-        y = self.multiply(rows)
+        y = F.linear(rows, self.dense) if self.dense is not None else self.multiply(rows)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The [out, in] weight in dtype."""
         raise NotImplementedError
 
 
@@ -69,10 +74,12 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=scale_dtype, device="meta"))
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        scale = getattr(self, "weight" + SCALE_SUFFIX).to(rows.dtype)
         if self.dequantize or rows.shape[0] >= DEQUANTIZE_ROWS:
-            return F.linear(rows, self.weight.to(rows.dtype) * scale[:, None])
-        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, scale)
+            return F.linear(rows, self.dequantized(rows.dtype))
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, getattr(self, "weight" + SCALE_SUFFIX).to(rows.dtype))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype) * getattr(self, "weight" + SCALE_SUFFIX).to(dtype)[:, None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -92,11 +99,14 @@ class Int4Linear(QuantizedLinear):
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
         if self.dequantize or rows.dtype != torch.bfloat16 or rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
-            weight = dequantize_int4(self.weight, scale_zero, self.group_size, self.packing, rows.dtype)
-            return F.linear(rows, weight[:, : self.in_features])
+            return F.linear(rows, self.dequantized(rows.dtype))
         # Zeros against the padding columns: whatever those hold, they add nothing.
         rows = F.pad(rows, (0, self.stored_in - self.in_features)) if self.stored_in > self.in_features else rows
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, scale_zero.to(rows.dtype))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
+        return dequantize_int4(self.weight, scale_zero, self.group_size, self.packing, dtype)[:, : self.in_features]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4, group_size={self.group_size}"
@@ -136,6 +146,52 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
                 module = Int4Linear(shape.out_features, shape.in_features, scheme, scale_dtype, bias,
                                     device.separate_memory)
             setattr(parent, leaf, module)
+
+
+def quantized_modules(model: nn.Module, manifest: Manifest, names) -> list[QuantizedLinear]:
+    """The quantized modules whose weights these blocks hold."""
+    if manifest.quantization is None:
+        return []
+    companion = WeightScheme.from_manifest(manifest.quantization).companion
+    return [model.get_submodule(tensor.name.removesuffix(".weight" + companion))
+            for name in names for tensor in manifest.block(name).tensors if tensor.name.endswith(".weight" + companion)]
+
+
+def dequantize_resident(model: nn.Module, manifest: Manifest, names) -> None:
+    """On a GPU, the quantized layers held there are dequantised once, as they are bound: their
+    quantized bytes saved only the link's time, and dequantising them at every call would cost the
+    time and the temporaries again and again (the plan counts the dense copies: dense_bytes)."""
+    for module in quantized_modules(model, manifest, names):
+        module.dense = module.dequantized(DTYPES[manifest.dtype])
+
+
+def dense_bytes(manifest: Manifest, name: str) -> int:
+    """The bytes a block's quantized weights take dequantised, in the layout's dtype."""
+    if manifest.quantization is None:
+        return 0
+    scheme = WeightScheme.from_manifest(manifest.quantization)
+    weights = [t for t in manifest.block(name).tensors
+               if any(other.name == t.name + scheme.companion for other in manifest.block(name).tensors)]
+    per_byte = 2 if scheme.name == "int4" else 1  # int4 packs two weights a byte
+    return sum(t.nbytes * per_byte for t in weights) * DTYPES[manifest.dtype].itemsize
+
+
+def dequantize_workspace(manifest: Manifest) -> int:
+    """The most device memory a streamed quantized layer's call takes for dequantising on a GPU:
+    one weight at a time, in the layout's dtype, with the temporaries its dequantisation makes
+    (int8: the widened weight and the scaled one; int4: the unpacked codes, then two widened)."""
+    if manifest.quantization is None:
+        return 0
+    scheme = WeightScheme.from_manifest(manifest.quantization)
+    itemsize = DTYPES[manifest.dtype].itemsize
+    largest = 0
+    for block in manifest.blocks:
+        names = {t.name for t in block.tensors}
+        for t in block.tensors:
+            if t.name + scheme.companion in names:
+                weights = t.nbytes * (2 if scheme.name == "int4" else 1)
+                largest = max(largest, weights * (1 + 2 * itemsize) if scheme.name == "int4" else weights * 2 * itemsize)
+    return largest
 
 
 def check_packing(scheme: WeightScheme) -> None:

@@ -4,8 +4,8 @@ or, when not given, what is free now less headroom for what the run itself needs
     budgets = Budgets.make(manifest, policy, device)   # budgets.device, budgets.host in bytes
 
 The headroom is the ring of slots (their size is known, and on a GPU their host buffers are pinned:
-counted at what pinning them really takes) plus a reserve for activations and the
-K/V cache, which depend on the batch and lengths the plan cannot know yet: a tenth of the memory,
+counted at what pinning them really takes), on a GPU the workspace a streamed quantized layer's
+dequantisation takes, plus a reserve for activations and the K/V cache, which depend on the batch and lengths the plan cannot know yet: a tenth of the memory,
 at least RESERVE_BYTES. --batch-size auto later fills what the weights left. The host budget is a
 node's: the ranks torchrun starts on it hold one copy of the weights, and a ring and headroom each.
 """
@@ -18,6 +18,7 @@ import psutil
 
 from zerolite.io.device import Device
 from zerolite.layout.manifest import Manifest
+from zerolite.quant.linear import dequantize_workspace
 from zerolite.runtime.policy import Policy
 
 RESERVE_BYTES = 2 << 30
@@ -44,7 +45,7 @@ class Budgets:
             on_device = policy.gpu_memory
         else:
             free, total = device.memory()
-            on_device = max(free - ring_on_device - reserve(total), 0)
+            on_device = max(free - ring_on_device - reserve(total) - dequantize_workspace(manifest), 0)
         if policy.cpu_memory is not None:
             in_host = policy.cpu_memory
         else:

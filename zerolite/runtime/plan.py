@@ -29,23 +29,26 @@ class Plan:
 
     @classmethod
     def make(cls, manifest: Manifest, policy: Policy, budgets: Budgets, host_cost=lambda nbytes: nbytes,
-             ranks_here: int = 1) -> Plan:
+             ranks_here: int = 1, dense=lambda name: 0) -> Plan:
         """The embeddings, the head and the final norm run at every step and are small beside the
         layers: always resident. Layers go to the device while its budget lasts, then (with
         --offload nvme) to host memory while that budget lasts; the rest stay on disk.
 
         host_cost(nbytes) is the host memory a layer of nbytes really takes there (pinned memory
         is rounded: Device.pinned_cost). ranks_here share the node's layers in host memory, but
-        each keeps experts of its own: the expert cache is split between them."""
+        each keeps experts of its own: the expert cache is split between them. dense(name) is what
+        a block resident on the device takes beyond its stored bytes (a GPU keeps quantized
+        weights dequantised there: zerolite.quant.linear.dense_bytes)."""
         names = [block.name for block in manifest.blocks]
         if policy.offload == "none":
             return cls(tuple(names), (), ())
         layers = list(manifest.layer_names)
         always = [name for name in names if name not in layers]
         widest = max((manifest.block(name).length for name in layers), default=1)
+        widest_on_device = widest + max((dense(name) for name in layers), default=0)
 
-        on_device_room = budgets.device - manifest.nbytes(always)
-        on_device = layers[: max(on_device_room // widest, 0)]
+        on_device_room = budgets.device - manifest.nbytes(always) - sum(dense(name) for name in always)
+        on_device = layers[: max(on_device_room // widest_on_device, 0)]
         rest = layers[len(on_device):]
         in_memory = rest if policy.offload == "cpu" else rest[: budgets.host // host_cost(widest)]
         resident = tuple(name for name in names if name in always or name in on_device)

@@ -14,6 +14,7 @@ import psutil
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
 from zerolite.layout.folder import Layout
+from zerolite.quant.linear import dense_bytes, dequantize_workspace
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.resident import STAGING_BYTES
@@ -62,7 +63,10 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
 
     if separate:
         free, _ = device.memory()
-        device_needed = resident + policy.prefetch_depth * slot
+        # A GPU keeps resident quantized weights dequantised (offload none: as stored), and
+        # dequantises a streamed one per call.
+        dense = 0 if policy.offload == "none" else sum(dense_bytes(manifest, name) for name in plan.resident)
+        device_needed = resident + dense + policy.prefetch_depth * slot + dequantize_workspace(manifest)
         if device_needed > free:
             raise ZeroliteError(
                 f"this plan puts {device_needed / 1e9:.1f} GB on {device.name} but {free / 1e9:.1f} GB is free: "
