@@ -45,13 +45,13 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def gpu(request):
     """The device a cuda-marked test runs on: "cuda", or a SimulatedDevice whose ledger watches
-    the whole test (an ordering error fails it)."""
+    the whole test (an ordering error fails it), its models saying they are on "cuda" to transformers."""
     if request.param == "cuda":
         if not cuda_available():
             pytest.skip("needs a CUDA device")
         yield "cuda"
         return
-    device = SimulatedDevice(seed=abs(hash(request.node.nodeid)) % 1000)
+    device = SimulatedDevice(seed=abs(hash(request.node.nodeid)) % 1000, reports_cuda=True)
     with device.watching():
         yield device
 

@@ -44,11 +44,14 @@ import random
 import threading
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from transformers.modeling_utils import ModuleUtilsMixin
 
 from zerolite.io.device import Device
 from zerolite.io.engine import IoEngine, aligned_empty
@@ -217,7 +220,11 @@ class BufferRecord:
 class SimulatedDevice(Device):
     separate_memory = True
 
-    def __init__(self, seed: int = 0, memory_bytes: int = 8 << 30, max_delay_s: float = 0.002, chunks: int = 4):
+    def __init__(self, seed: int = 0, memory_bytes: int = 8 << 30, max_delay_s: float = 0.002, chunks: int = 4,
+                 reports_cuda: bool = False):
+        """reports_cuda: under watching(), models say they are on "cuda" to transformers, so the code
+        it runs only on a GPU runs here too (see ReportingCuda)."""
+        self.reports_cuda = reports_cuda
         self.name = "sim"
         self.torch_device = torch.device("cpu")
         self.memory_bytes = memory_bytes
@@ -253,6 +260,8 @@ class SimulatedDevice(Device):
         self._adopted.add(threading.get_ident())
         if self._watcher is not None and threading.get_ident() != self._watcher:
             ReadChecker(self).__enter__()
+            if self.reports_cuda:
+                CudaOnCpu().__enter__()
 
     def _queued_from_here(self) -> None:
         if threading.get_ident() not in self._adopted:
@@ -512,7 +521,7 @@ class SimulatedDevice(Device):
         IoEngine.submit = submit
         self._watcher = threading.get_ident()
         try:
-            with ReadChecker(self):
+            with ReadChecker(self), reporting_cuda() if self.reports_cuda else nullcontext():
                 yield self
         finally:
             IoEngine.submit = original_submit
@@ -558,3 +567,38 @@ def rows_read(func, args, kwargs) -> dict[int, list[torch.Tensor]]:
                 and indices[0].dtype != torch.bool and all(index is None for index in indices[1:]):
             return {id(source): [source[row] for row in sorted(set(indices[0].flatten().tolist()))]}
     return {}
+
+
+CUDA = torch.device("cuda", 0)  # made here: under CudaOnCpu, torch.device("cuda") would give the CPU
+
+
+@contextmanager
+def reporting_cuda():
+    """Every transformers model says it is on "cuda" (ModuleUtilsMixin.device), so generate takes its
+    GPU branches (the experts' decode-time kernel swap, moving inputs to the model's device, ...),
+    and what those branches ask for on "cuda" is made on the CPU (CudaOnCpu), where the tensors live."""
+    original = ModuleUtilsMixin.device
+    ModuleUtilsMixin.device = property(lambda model: CUDA)
+    try:
+        with CudaOnCpu():
+            yield
+    finally:
+        ModuleUtilsMixin.device = original
+
+
+class CudaOnCpu(TorchFunctionMode):
+    """Tensors asked for on "cuda" are made on the CPU, and pinned memory asked for is not pinned
+    (a CPU build of torch has no accelerator to pin for)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args = tuple(on_cpu(arg) for arg in args)
+        kwargs = {name: False if name == "pin_memory" else on_cpu(value) for name, value in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+def on_cpu(value):
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(value, str) and value.startswith("cuda"):
+        return "cpu"
+    return value

@@ -129,18 +129,21 @@ def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch
         assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, NEW_TOKENS, logits=True))
 
 
-def test_generate_keeps_the_experts_implementation_on_a_gpu_too(tiny, monkeypatch):
-    """transformers' generate would swap grouped_mm for batched_mm while it decodes anywhere but on
-    a CPU (gigabytes of gathered expert copies per layer, and tokens that may differ from the
-    server's forward): on a model that says it is on a GPU, decoding keeps what it was built with."""
-    layout, _ = tiny
+def test_generate_on_a_simulated_gpu_saying_cuda_decodes_with_the_experts_implementation_it_was_built_with(tiny):
+    """The simulated device in its reports_cuda mode: transformers sees a model on "cuda" and takes
+    its GPU branches, the decode-time swap among them; every forward still runs what the model was
+    built with, and the tokens are transformers' on the CPU."""
     assert hasattr(GenerationMixin, "_optimize_model_for_decode"), "transformers renamed the switch: find it again"
-    with zerolite.load(layout, **NVME) as lm:
+    layout, reference = tiny
+    expected = reference("cpu")[0]
+    sim = SimulatedDevice(seed=5, reports_cuda=True)
+    with sim.watching(), zerolite.load(layout, prefetch_depth=2, **{**NVME, "device": sim, "gpu_memory": 0}) as lm:
+        assert lm.model.device.type == "cuda"
         built = lm.model.get_experts_implementation()
-        assert "grouped_mm" in built.values()
-        monkeypatch.setattr(type(lm.model), "device", property(lambda model: torch.device("cuda", 0)))
-        with lm.model._optimize_model_for_decode():  # generate's decoding loop runs inside this
-            assert lm.model.get_experts_implementation() == built
+        seen = []
+        lm.model.register_forward_pre_hook(lambda model, args: seen.append(model.get_experts_implementation()))
+        assert_same_generation(expected, greedy(lm, SINGLE, NEW_TOKENS, logits=True))
+        assert len(seen) == NEW_TOKENS and all(implementation == built for implementation in seen), seen
 
 
 def test_each_layer_routed_per_expert_waits_for_the_device_once(tiny, monkeypatch):
