@@ -10,7 +10,8 @@ import torch
 import zerolite.io.device
 from fake_cuda import FakeLibcuda
 from zerolite.errors import ZeroliteError
-from zerolite.io.device import CudaDevice, CudaDriver
+from zerolite.io.device import CudaDevice, CudaDriver, registered
+from zerolite.io.engine import host_mapping
 
 
 @pytest.fixture
@@ -70,3 +71,27 @@ def test_every_call_runs_in_the_models_gpu_context(driver):
     del buffer
     assert [call[-1] for call in driver.calls] == [1, 1] and driver.opened == {1}
     assert driver.current == [] and driver.held == 0  # the thread's own context is back, the retains released
+
+
+@pytest.mark.cuda
+def test_memory_registered_in_chunks_copies_and_a_refused_registration_leaves_the_gpu_working(gpu, monkeypatch):
+    """Through CUDA's own driver on a GPU (tools/gpu_check runs it there first), the stand-in on the
+    simulated device: memory registered in chunks copies to the GPU and back byte for byte; the
+    driver refusing a registration (the memory is registered already) is one clear error, and the
+    thread's next kernel launch runs."""
+    monkeypatch.setattr(zerolite.io.device, "REGISTRATION_CHUNK", 1 << 20)
+    real = gpu == "cuda"
+    if not real:
+        library = FakeLibcuda(fail_at=7)  # the buffer's six chunks (2 MiB pages), the page, then the page again
+        monkeypatch.setattr(zerolite.io.device, "cuda_driver", lambda: CudaDriver(library))
+    buffer = CudaDevice(torch.device("cuda", 0)).pinned_empty(5 << 20)  # five chunks
+    buffer.copy_(torch.arange(5 << 20, dtype=torch.int64).to(torch.uint8))
+    if real:
+        assert torch.equal(buffer.to("cuda", non_blocking=True).cpu(), buffer)
+    array, mapping = host_mapping(4096)
+    page = registered(array, mapping, "a page", 0)
+    with pytest.raises(ZeroliteError, match=r"pinning 0\.00 GB of a page failed \(CUDA driver error \d+\)"):
+        registered(array, mapping, "a page", 0)
+    if real:
+        assert (torch.ones(8, device="cuda") * 2).sum().item() == 16
+    del page

@@ -7,7 +7,11 @@
 DeepSpeed's NVMe path also needs libaio (apt-get install libaio-dev).
 
 1. the CUDA tests (`pytest -m cuda`) under TORCH_CUDA_SANITIZER=1, PyTorch's checker of
-   unsynchronised accesses across CUDA streams;
+   unsynchronised accesses across CUDA streams: each on the real GPU and on the simulated device,
+   among them what only a real GPU can show of the simulated device's findings (host memory
+   registered through the driver in chunks, a refused registration leaving the next kernel
+   working, every layer streamed and a mixture's experts copied apart, K/V fetched into compute's
+   memory, resident quantized layers dequantised once, a self-draft's head as stored);
 2. tools/bench.py at each batch size: zerolite --offload nvme and cpu, and nvme with int8 and int4 weights, beside DeepSpeed
    ZeRO-Inference (NVMe and CPU), on the benchmark model (built and converted if missing);
 3. `zerolite profile --offload nvme` on the same layout, at the first batch size;
