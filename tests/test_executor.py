@@ -80,13 +80,16 @@ def reference_device(device) -> str:
     return device if isinstance(device, str) else "cpu"
 
 
-def check_equal(tiny, setup: dict, depth: int, device, streamed: int | None = None) -> None:
-    """streamed: how many layers the plan must stream through the ring (None: not checked)."""
+def check_equal(tiny, setup: dict, depth: int, device, streamed: int | None = None, check=None) -> None:
+    """streamed: how many layers the plan must stream through the ring (None: not checked); check:
+    called with the loaded model, for what else the caller asserts of it."""
     layout, reference = tiny
     setup = {key: half_the_layers(layout, key) if value == "half" else value for key, value in setup.items()}
     with zerolite.load(layout, device=device, prefetch_depth=depth, show_progress=False, **setup) as lm:
         if streamed is not None:
             assert sum(name.startswith("layers.") for name in lm.plan.streamed) == streamed, lm.plan
+        if check is not None:
+            check(lm)
         for expected, rows in zip(reference(reference_device(device)), (SINGLE, BATCH)):
             assert_same_generation(expected, greedy(lm, rows, NEW_TOKENS, logits=True, device=reference_device(device)))
 
