@@ -1,11 +1,19 @@
 """Sequential O_DIRECT read bandwidth of the engine, beside fio's on the same file and settings.
 
     python tools/bench_io.py [--file PATH] [--size-gib 2] [--depths 8,32] [--chunk-kib 256,1024]
+    python tools/bench_io.py --first-read 5 [--file PATH] [--size-gib 1]
 
 For each chunk size and queue depth: drop the page cache, run fio (--direct=1, io_uring, the same
 chunk size as --bs, and depth), then drop it again before each engine backend reads the whole file as
 zerolite profile --disk does (zerolite.profile.machine.read_bandwidth: 64 MiB requests, four in flight). Prints each
 bandwidth as "median (best)" of --repeat runs, and its ratio to fio's. Run as root so the caches can be dropped.
+
+--first-read N: the first read of a process into memory it never used, as loading a tier does. N rounds,
+each: caches dropped, fio (1 MiB blocks, depth 32, the engine's defaults); then three fresh processes, each
+after dropping the caches and waiting for the freed memory to be handed back to the host (a VM with free
+page reporting does that within seconds): one touches a fresh buffer's pages alone, one reads the file into
+a fresh buffer, one touches it first and then reads (zerolite.io.engine.touch_pages, as MemoryStore.load
+does). fio reads into a few small buffers of its own and never pays for first touches.
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ from rich.table import Table
 
 from zerolite.io.engine import IoEngine
 from zerolite.profile.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth, write_scratch
+
+
+REPORTING_WAIT_S = 3  # the kernel reports freed pages to the host two seconds after they are freed
 
 
 def make_file(path: str, nbytes: int) -> None:
@@ -45,8 +56,42 @@ def engine_gbps(path: str, nbytes: int, backend: str, chunk_bytes: int, depth: i
     return read_bandwidth(Path(path), nbytes, engine)["read_gbps"]
 
 
+def first_read_gbps(path: str, how: str) -> float:
+    """In a fresh process, caches dropped and the memory they held handed back to the host: the whole
+    file into a fresh buffer by one submit() ("submit"), the same with its pages touched first as
+    MemoryStore.load does ("touched first"), or no read, the pages touched alone ("touch")."""
+    code = (
+        "import os, sys, time; from zerolite.io.engine import IoEngine, aligned_empty, touch_pages\n"
+        "from zerolite.profile.machine import drop_page_cache\n"
+        "path, how = sys.argv[1], sys.argv[2]; engine = IoEngine(); size = os.path.getsize(path)\n"
+        f"drop_page_cache(); time.sleep({REPORTING_WAIT_S})\n"
+        "started = time.perf_counter(); buffer = aligned_empty(size)\n"
+        "if how != 'submit': touch_pages(buffer)\n"
+        "finished = time.perf_counter() if how == 'touch' else engine.wait(engine.submit(path, buffer))\n"
+        "print(size / (finished - started) / 1e9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, path, how], check=True, capture_output=True, text=True).stdout
+    return float(out)
+
+
+def first_reads(path: str, nbytes: int, rounds: int, console: Console) -> None:
+    table = Table(title=f"first reads of {nbytes / 2**30:.1f} GiB into fresh memory: a fresh process each, caches dropped")
+    for column in ["round", "fio GB/s", "touch alone GB/s", "submit GB/s", "touched first GB/s", "touched first / fio",
+                   "touched first / min(fio, touch)"]:
+        table.add_column(column, justify="right")
+    for round_ in range(1, rounds + 1):
+        drop_page_cache()
+        fio = fio_gbps(path, nbytes, 1 << 20, 32)
+        touch, plain, touched = (first_read_gbps(path, how) for how in ("touch", "submit", "touched first"))
+        bound = min(fio, touch)  # a first read is no faster than the disk, nor than mapping its memory
+        table.add_row(str(round_), f"{fio:.2f}", f"{touch:.2f}", f"{plain:.2f}", f"{touched:.2f}", f"{touched / fio:.2f}",
+                      f"{touched / bound:.2f}")
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--first-read", type=int, metavar="ROUNDS", help="measure first reads into fresh memory instead")
     parser.add_argument("--file", default="build/bench-io.bin", help="file to read (created if absent)")
     parser.add_argument("--size-gib", type=float, default=2.0)
     parser.add_argument("--depths", default="4,16,32")
@@ -63,6 +108,9 @@ def main() -> None:
     make_file(args.file, nbytes)
     if not drop_page_cache():
         console.print("[yellow]cannot drop the page cache (not root): engine reads still bypass it (O_DIRECT)")
+    if args.first_read:
+        first_reads(args.file, nbytes, args.first_read, console)
+        return
 
     backends = args.backends.split(",")
     table = Table(title=f"sequential O_DIRECT reads of {nbytes / 2**30:.1f} GiB, {args.file}")
