@@ -178,21 +178,3 @@ def test_sliding_window_layers_keep_their_cache_on_the_device():
     assert offloaded_share(config, 1.0) == 0.0  # every layer slides: nothing is offloaded, and the plan says so
     assert offloaded_share(MistralConfig(num_hidden_layers=4, sliding_window=None), 0.5) == 0.5
 
-
-def test_loading_the_host_tier_maps_every_buffer_before_reading_into_it(layout, monkeypatch):
-    """Memory never used is mapped by the CPU, all of it, before the reads (zerolite.io.engine.touch_pages
-    says why)."""
-    import zerolite.layout.store as store
-    from zerolite.io.engine import IoEngine
-
-    events = []
-    touch = store.touch_pages
-    monkeypatch.setattr(store, "touch_pages", lambda buffer: events.append(("touch", buffer.data_ptr())) or touch(buffer))
-    disk = store.DiskStore(Layout.open(layout), IoEngine())
-    submit = disk.submit
-    monkeypatch.setattr(disk, "submit", lambda name, buffer, *more: events.append(("read", buffer.data_ptr())) or submit(name, buffer, *more))
-    names = list(Layout.open(layout).manifest.layer_names[:3])
-    memory = store.MemoryStore.load(disk, names)  # each block checked against its checksum as it lands
-    assert [kind for kind, _ in events] == ["touch"] * 3 + ["read"] * 3
-    assert [address for kind, address in events if kind == "touch"] == [address for kind, address in events if kind == "read"]
-    assert all(memory.holds(name) for name in names)

@@ -66,17 +66,6 @@ def host_mapping(nbytes: int) -> tuple[ctypes.Array, mmap.mmap]:
     return (ctypes.c_uint8 * nbytes).from_buffer(mapping, skip), mapping
 
 
-def touch_pages(buffer: torch.Tensor) -> None:
-    """Writes one byte of every 4 KiB page of a uint8 buffer (torch's threads sharing the work), so
-    the kernel maps its memory now instead of page by page inside the O_DIRECT reads into it.
-
-    Why: where a VM returns freed memory to its host (free page reporting; dropping the page cache
-    frees gigabytes), each first touch waits for the host. Reading 1 GiB into such memory ran at
-    0.5 GB/s, touching it first and then reading at 0.8 (touching alone, two threads: about 1.1),
-    into memory already mapped at 3.3 (tools/bench_io.py --first-read; the README's figures)."""
-    buffer.view(-1)[::ALIGNMENT].zero_()
-
-
 def host_bytes(nbytes: int) -> int:
     """The host memory aligned_empty(nbytes) really takes."""
     return align_up(nbytes, HUGE_PAGE if nbytes >= HUGE_PAGE else ALIGNMENT)

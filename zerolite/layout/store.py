@@ -16,7 +16,7 @@ import zlib
 import torch
 
 from zerolite.errors import ZeroliteError
-from zerolite.io.engine import IoEngine, aligned_empty, touch_pages
+from zerolite.io.engine import IoEngine, aligned_empty
 from zerolite.layout.folder import Layout, tensor_views
 from zerolite.layout.manifest import BlockEntry
 
@@ -132,10 +132,10 @@ class MemoryStore:
     def load(cls, disk: DiskStore, names: list[str], allocate=aligned_empty, progress=None) -> MemoryStore:
         """Reads the named blocks, many in flight at once, into buffers from allocate(nbytes), and
         checks each against its checksum."""
-        buffers = {name: allocate(disk.entry(name).length) for name in names}
-        for buffer in buffers.values():
-            touch_pages(buffer)  # all of it first: reads into memory not yet mapped run far slower
-        tickets = [disk.submit(name, buffers[name]) for name in names]
+        buffers, tickets = {}, []
+        for name in names:
+            buffers[name] = allocate(disk.entry(name).length)
+            tickets.append(disk.submit(name, buffers[name]))
         try:
             for number, (name, ticket) in enumerate(zip(names, tickets)):
                 disk.wait(ticket)
