@@ -57,7 +57,9 @@ def test_rows_that_join_and_leave_get_the_tokens_of_their_prompt_alone(make_layo
 
 @pytest.mark.cuda
 def test_the_kv_cache_partly_in_host_memory_rebatches_too(make_layout, gpu):
-    with zerolite.load(make_layout("llama"), offload="cpu", device=gpu, kv_offload=0.5, show_progress=False) as lm:
+    with zerolite.load(make_layout("llama"), offload="cpu", device=gpu, gpu_memory=0, kv_offload=0.5,
+                       show_progress=False) as lm:
+        assert lm.plan.streamed == tuple(lm.layout.manifest.layer_names)  # every layer through the ring
         expected = [new_tokens_alone(lm, p, NEW_TOKENS, eos_token_id=None) for p in prompts(1)]
         got, _ = staggered(lm, prompts(1), step_tokens=8)
     assert got == expected

@@ -97,7 +97,9 @@ def test_each_client_gets_the_tokens_zerolite_generate_gives_its_prompt(arch, ma
 @pytest.mark.cuda
 def test_the_engine_loop_runs_the_model_on_a_gpu_from_its_own_thread(make_layout, gpu):
     prompts = random_prompts(1)[:4]
-    with zerolite.load(make_layout("llama"), offload="nvme", device=gpu, kv_offload=0.5, show_progress=False) as lm:
+    with zerolite.load(make_layout("llama"), offload="nvme", device=gpu, gpu_memory=0, kv_offload=0.5,
+                       show_progress=False) as lm:
+        assert lm.plan.streamed == tuple(lm.layout.manifest.layer_names)  # every layer through the ring
         expected = [new_tokens_alone(lm, p, NEW_TOKENS) for p in prompts]
         with LiveServer(lm, ServeSettings(max_batch=3, step_tokens=8)) as server:
             with ThreadPoolExecutor(len(prompts)) as pool:
