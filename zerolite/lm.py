@@ -162,7 +162,7 @@ class OffloadedLM:
             config.disable_compile = True
             if offload_kv:
                 config.cache_implementation = None
-        cache = self.new_cache(job_length(args[0] if args else kwargs.get("input_ids"), kwargs, config)) if offload_kv else None
+        cache = self.new_cache(job_length(input_ids, kwargs, config)) if offload_kv else None
         if cache is not None:
             kwargs["cache"] = cache
         output = None

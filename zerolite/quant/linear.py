@@ -21,7 +21,7 @@ from torch import nn
 
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
-from zerolite.layout.manifest import DTYPES, Manifest
+from zerolite.layout.manifest import DTYPES, Manifest, TensorEntry
 from zerolite.quant.int4_packing import Int4Packing, cpu_packing, unpack_int4
 from zerolite.quant.quantize import (
     SCALE_SUFFIX,
@@ -76,7 +76,8 @@ class Int8Linear(QuantizedLinear):
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         if self.dequantize or rows.shape[0] >= DEQUANTIZE_ROWS:
             return F.linear(rows, self.dequantized(rows.dtype))
-        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, getattr(self, "weight" + SCALE_SUFFIX).to(rows.dtype))
+        scale = getattr(self, "weight" + SCALE_SUFFIX).to(rows.dtype)
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, scale)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype) * getattr(self, "weight" + SCALE_SUFFIX).to(dtype)[:, None]
@@ -148,13 +149,25 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
             setattr(parent, leaf, module)
 
 
-def quantized_modules(model: nn.Module, manifest: Manifest, names) -> list[QuantizedLinear]:
-    """The quantized modules whose weights these blocks hold."""
+def quantized_weights(manifest: Manifest, name: str) -> list[TensorEntry]:
+    """The quantized weights a block holds (each has a companion tensor of scales)."""
     if manifest.quantization is None:
         return []
     companion = WeightScheme.from_manifest(manifest.quantization).companion
-    return [model.get_submodule(tensor.name.removesuffix(".weight" + companion))
-            for name in names for tensor in manifest.block(name).tensors if tensor.name.endswith(".weight" + companion)]
+    tensors = manifest.block(name).tensors
+    names = {tensor.name for tensor in tensors}
+    return [tensor for tensor in tensors if tensor.name + companion in names]
+
+
+def weight_count(manifest: Manifest, tensor: TensorEntry) -> int:
+    """How many weights a quantized tensor holds (int4 packs two a byte)."""
+    return tensor.nbytes * (2 if manifest.quantization["weights"] == "int4" else 1)
+
+
+def quantized_modules(model: nn.Module, manifest: Manifest, names) -> list[QuantizedLinear]:
+    """The quantized modules whose weights these blocks hold."""
+    return [model.get_submodule(tensor.name.removesuffix(".weight"))
+            for name in names for tensor in quantized_weights(manifest, name)]
 
 
 def dequantize_resident(model: nn.Module, manifest: Manifest, names) -> None:
@@ -167,13 +180,8 @@ def dequantize_resident(model: nn.Module, manifest: Manifest, names) -> None:
 
 def dense_bytes(manifest: Manifest, name: str) -> int:
     """The bytes a block's quantized weights take dequantised, in the layout's dtype."""
-    if manifest.quantization is None:
-        return 0
-    scheme = WeightScheme.from_manifest(manifest.quantization)
-    weights = [t for t in manifest.block(name).tensors
-               if any(other.name == t.name + scheme.companion for other in manifest.block(name).tensors)]
-    per_byte = 2 if scheme.name == "int4" else 1  # int4 packs two weights a byte
-    return sum(t.nbytes * per_byte for t in weights) * DTYPES[manifest.dtype].itemsize
+    itemsize = DTYPES[manifest.dtype].itemsize
+    return sum(weight_count(manifest, tensor) for tensor in quantized_weights(manifest, name)) * itemsize
 
 
 def dequantize_workspace(manifest: Manifest) -> int:
@@ -182,16 +190,10 @@ def dequantize_workspace(manifest: Manifest) -> int:
     (int8: the widened weight and the scaled one; int4: the unpacked codes, then two widened)."""
     if manifest.quantization is None:
         return 0
-    scheme = WeightScheme.from_manifest(manifest.quantization)
     itemsize = DTYPES[manifest.dtype].itemsize
-    largest = 0
-    for block in manifest.blocks:
-        names = {t.name for t in block.tensors}
-        for t in block.tensors:
-            if t.name + scheme.companion in names:
-                weights = t.nbytes * (2 if scheme.name == "int4" else 1)
-                largest = max(largest, weights * (1 + 2 * itemsize) if scheme.name == "int4" else weights * 2 * itemsize)
-    return largest
+    per_weight = 1 + 2 * itemsize if manifest.quantization["weights"] == "int4" else 2 * itemsize
+    counts = [weight_count(manifest, tensor) for block in manifest.blocks for tensor in quantized_weights(manifest, block.name)]
+    return max(counts, default=0) * per_weight
 
 
 def check_packing(scheme: WeightScheme) -> None:

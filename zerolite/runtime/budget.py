@@ -5,7 +5,8 @@ or, when not given, what is free now less headroom for what the run itself needs
 
 The headroom is the ring of slots (their size is known, and on a GPU their host buffers are pinned:
 counted at what pinning them really takes), on a GPU the workspace a streamed quantized layer's
-dequantisation takes, plus a reserve for activations and the K/V cache, which depend on the batch and lengths the plan cannot know yet: a tenth of the memory,
+dequantisation takes, plus a reserve for activations and the K/V cache, which depend on the batch
+and lengths the plan cannot know yet: a tenth of the memory,
 at least RESERVE_BYTES. --batch-size auto later fills what the weights left. The host budget is a
 node's: the ranks torchrun starts on it hold one copy of the weights, and a ring and headroom each.
 """
