@@ -223,7 +223,7 @@ class SimulatedDevice(Device):
     def __init__(self, seed: int = 0, memory_bytes: int = 8 << 30, max_delay_s: float = 0.002, chunks: int = 4,
                  reports_cuda: bool = False):
         """reports_cuda: under watching(), models say they are on "cuda" to transformers, so the code
-        it runs only on a GPU runs here too (see ReportingCuda)."""
+        it runs only on a GPU runs here too (see reporting_cuda)."""
         self.reports_cuda = reports_cuda
         self.name = "sim"
         self.torch_device = torch.device("cpu")
