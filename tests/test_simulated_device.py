@@ -45,6 +45,13 @@ def power_of_two(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length()
 
 
+def adopted_device(**options) -> SimulatedDevice:
+    """A simulated device the calling thread has adopted, as zerolite.load makes it."""
+    sim = SimulatedDevice(**options)
+    sim.adopt_thread()
+    return sim
+
+
 def layer_bytes(layout) -> int:
     return Layout.open(layout).manifest.block("layers.0").length
 
@@ -195,8 +202,7 @@ def test_kv_offload_neither_synchronises_the_device_nor_leaves_a_fetch_behind(ti
 
 
 def test_host_to_device_bandwidth_is_timed_on_the_measured_device():
-    sim = SimulatedDevice()
-    sim.adopt_thread()  # as zerolite.load makes it
+    sim = adopted_device()
     assert measure_host_to_device(sim, nbytes=1 << 20, repeats=2) > 0
 
     class Instant(SimulatedDevice):
@@ -261,8 +267,7 @@ def test_loading_makes_the_models_device_current_in_one_process_too(tiny, monkey
 
 def test_a_copy_between_the_device_and_pageable_host_memory_is_caught():
     """A GPU runs it synchronously, the host blocked: the overlap the ring exists for is gone."""
-    sim = SimulatedDevice()
-    sim.adopt_thread()
+    sim = adopted_device()
     target, stream = sim.empty(8192), sim.new_stream()
     sim.wait_stream(stream, sim.compute)  # target comes from compute's memory
     with pytest.raises(PageableCopyError, match="pageable host memory"):
@@ -287,11 +292,6 @@ def test_device_work_from_a_thread_that_never_adopted_the_device_is_caught(tiny)
 
 # The ledger's rules, one at a time, on hand-made work: each break is caught, and the same work
 # with its ordering step is not.
-
-def adopted_device(**options) -> SimulatedDevice:
-    sim = SimulatedDevice(**options)
-    sim.adopt_thread()
-    return sim
 
 
 def test_the_simulated_ledger_tracks_byte_ranges_so_a_half_waited_for_is_readable():

@@ -173,10 +173,11 @@ class OffloadedLM:
             self.recover()
             raise
         finally:
-            if cache is not None and getattr(output, "past_key_values", None) is not cache:
-                cache.release()  # its host buffers serve the next generate
-            elif cache is not None:
-                cache.settle()  # the caller has it
+            if cache is not None:
+                if getattr(output, "past_key_values", None) is cache:
+                    cache.settle()  # the caller has it
+                else:
+                    cache.release()  # its host buffers serve the next generate
 
     def close(self) -> None:
         self.executor.close()

@@ -132,11 +132,8 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
     if scheme.name == "int4" and not device.separate_memory and scale_dtype == torch.bfloat16:
         check_packing(scheme)
     for block in manifest.blocks:
-        for name in (t.name for t in block.tensors):
-            if not name.endswith(".weight" + scheme.companion):
-                continue
-            path = name.removesuffix(".weight" + scheme.companion)
-            parent_path, _, leaf = path.rpartition(".")
+        for weight in quantized_weights(manifest, block.name):
+            parent_path, _, leaf = weight.name.removesuffix(".weight").rpartition(".")
             parent = model.get_submodule(parent_path)
             original = getattr(parent, leaf)
             bias = getattr(original, "bias", None)
@@ -168,6 +165,12 @@ def quantized_modules(model: nn.Module, manifest: Manifest, names) -> list[Quant
     """The quantized modules whose weights these blocks hold."""
     return [model.get_submodule(tensor.name.removesuffix(".weight"))
             for name in names for tensor in quantized_weights(manifest, name)]
+
+
+def keeps_dense(device: Device, offload: str) -> bool:
+    """Whether resident quantized weights are kept dequantised: on a GPU, unless every layer is
+    resident (offload none), where the quantized form is what makes the model fit."""
+    return device.separate_memory and offload != "none"
 
 
 def dequantize_resident(model: nn.Module, manifest: Manifest, names) -> None:

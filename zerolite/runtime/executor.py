@@ -36,7 +36,7 @@ from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.moe.cache import ExpertCache
 from zerolite.moe.counts import ExpertCounts
 from zerolite.moe.routing import ExpertRouting, streamed_per_expert
-from zerolite.quant.linear import dequantize_resident
+from zerolite.quant.linear import dequantize_resident, keeps_dense
 from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
 from zerolite.runtime.kv_cache import HostBufferPool
@@ -82,7 +82,7 @@ class Executor:
         for name in plan.resident:
             if memory.holds(name):
                 self._bindings[name].bind(memory.bytes_of(name))
-        if device.separate_memory and policy.offload != "none":  # with none, the quantized form is what fits
+        if keeps_dense(device, policy.offload):
             dequantize_resident(self.model, manifest, plan.resident)
         self._loaded_bytes = self.disk.bytes_read
         # The disk's speed as loading saw it: reading blocks again just to time the disk would make

@@ -8,9 +8,9 @@ An offloaded layer's K/V are copied to the device one layer ahead of use, on a s
 own, and each step's new keys and values are appended to the host copy in place (its buffer made
 at the job's length where generate knows it, else grown by doubling, and taken from a pool the
 caches share, so pinning stays off the hot path) on another, so a step moves the layer's K/V in
-once and only the new tokens out, and neither copy holds up compute (a long prefill's appends would). A fetch waits for that layer's
-last appends and for the compute queued before it (its targets come from compute's memory): it
-still runs while the layer before computes. The attention
+once and only the new tokens out, and neither copy holds up compute (a long prefill's appends
+would). A fetch waits for that layer's last appends and for the compute queued before it (its
+targets come from compute's memory): it still runs while the layer before computes. The attention
 code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
 """
 

@@ -22,7 +22,7 @@ from zerolite.io.device import Device, cuda_available, cuda_device_count, resolv
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import DTYPES
 from zerolite.progress import byte_progress
-from zerolite.quant.linear import dense_bytes
+from zerolite.quant.linear import dense_bytes, keeps_dense
 from zerolite.runtime.budget import Budgets
 from zerolite.runtime.executor import Executor
 from zerolite.runtime.plan import Plan
@@ -80,7 +80,7 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
     measured = world.together(budget, "loading")
     budgets = Budgets(min(b.device for b in measured), min(b.host for b in measured))
     plan = Plan.make(layout.manifest, policy, budgets, device.pinned_cost, world.local_size,
-                     resident_dense(layout, device))
+                     resident_dense(layout, device, policy))
     warnings = world.each(lambda: preflight(layout, plan, policy, device, world.local_size), "checking memory")
     for warning in warnings if world.leads else ():
         print(f"zerolite: warning: {warning}", file=sys.stderr)
@@ -104,9 +104,9 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
     return executor
 
 
-def resident_dense(layout: Layout, device: Device):
+def resident_dense(layout: Layout, device: Device, policy: Policy):
     """What a block resident on this device takes beyond its stored bytes: a GPU keeps quantized
-    weights dequantised (zerolite.quant.linear.dequantize_resident); a CPU computes from them as stored."""
-    if not device.separate_memory:
+    weights dequantised (zerolite.quant.linear.keeps_dense); a CPU computes from them as stored."""
+    if not keeps_dense(device, policy.offload):
         return lambda name: 0
     return functools.partial(dense_bytes, layout.manifest)

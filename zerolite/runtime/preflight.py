@@ -14,7 +14,7 @@ import psutil
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
 from zerolite.layout.folder import Layout
-from zerolite.quant.linear import dense_bytes, dequantize_workspace
+from zerolite.quant.linear import dense_bytes, dequantize_workspace, keeps_dense
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.resident import STAGING_BYTES
@@ -63,9 +63,9 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
 
     if separate:
         free, _ = device.memory()
-        # A GPU keeps resident quantized weights dequantised (offload none: as stored), and
-        # dequantises a streamed one per call.
-        dense = 0 if policy.offload == "none" else sum(dense_bytes(manifest, name) for name in plan.resident)
+        # Resident quantized weights kept dequantised, and a streamed one dequantised per call.
+        kept = keeps_dense(device, policy.offload)
+        dense = sum(dense_bytes(manifest, name) for name in plan.resident) if kept else 0
         device_needed = resident + dense + policy.prefetch_depth * slot + dequantize_workspace(manifest)
         if device_needed > free:
             raise ZeroliteError(
