@@ -182,8 +182,19 @@ def main() -> None:
                  "run it on a machine with an NVIDIA GPU and a CUDA build of torch (make gpu-check TORCH=torch in a fresh clone)")
     source, layout = args.source.resolve(), args.layout.resolve()  # the steps run from the repository root
 
+    # The report is written again after each step, so that what ran survives a kill of the whole check.
+    header = f"# zerolite GPU check\n\n{machine_line()}"
+    sections: list[str] = []
+
+    def report(section: str) -> str:
+        sections.append(section)
+        text = "\n\n".join([header, *sections]) + "\n"
+        args.out.write_text(text)
+        return text
+
     tests = run_step("CUDA tests", [sys.executable, "-m", "pytest", "-m", "cuda", "-q"], args.timeout,
                      env={"TORCH_CUDA_SANITIZER": "1"})
+    report(tests_section(tests))
     benches = []
     for batch in args.batch_sizes:
         # bench.py's own limit per contender leaves it time to print its table if one of them hangs.
@@ -193,16 +204,13 @@ def main() -> None:
                    "--new-tokens", str(args.new_tokens), "--contenders", ",".join(args.contenders),
                    "--timeout", str(per_contender)]
         benches.append(run_step(f"tools/bench.py, batch {batch}", command, args.timeout))
+        report(output_section(benches[-1]))
     profile = run_step("zerolite profile", [ZEROLITE, "profile", "--model", str(layout), "--offload", "nvme", "--device",
                                             "cuda", "--batch-size", str(args.batch_sizes[0])], args.timeout)
-
+    report(output_section(profile))
     serve = run_step("tools/bench_serve.py", [sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--model", str(layout),
                                               "--device", "cuda", "--clients", "16"], args.timeout)
-
-    report = "\n\n".join([f"# zerolite GPU check\n\n{machine_line()}", tests_section(tests),
-                          *map(output_section, benches), output_section(profile), output_section(serve)]) + "\n"
-    args.out.write_text(report)
-    print(report)
+    print(report(output_section(serve)))
     steps = [tests, *benches, profile, serve]
     failed = [step.title for step in steps if step.returncode != 0]
     print(f"gpu_check: report written to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
