@@ -330,8 +330,8 @@ class SimulatedDevice(Device):
         self._track(buffer, BufferRecord(None, pinned=True), 0, cost)
         return buffer
 
-    def adopt_host(self, array, mapping) -> torch.Tensor:
-        tensor = super().adopt_host(array, mapping)
+    def adopt_host(self, array, mapping, starts=(0,)) -> torch.Tensor:
+        tensor = super().adopt_host(array, mapping, starts)
         self._track(tensor, BufferRecord(None, pinned=True), 0)
         self.adopted += tensor.nbytes
         return tensor

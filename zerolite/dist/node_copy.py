@@ -59,7 +59,7 @@ class NodeCopy(MemoryStore):
                 os.close(fd)
                 raise ZeroliteError(f"cannot make {total / 1e9:.1f} GB of shared memory for the node's host copy "
                                     f"({e.strerror}): lower `cpu_memory`") from e
-            mine = map_shared(fd, total, device)
+            mine = map_shared(fd, total, device, offsets)
             MemoryStore.load(disk, names, allocator(mine, offsets), progress)
             return world.node, os.getpid(), fd, total / max(time.perf_counter() - started, 1e-9) / 1e9
 
@@ -75,7 +75,7 @@ class NodeCopy(MemoryStore):
                     raise ZeroliteError(f"cannot open the host copy of rank {world.rank - world.local_rank} ({e.strerror}): "
                                         "the ranks of one node must run as one user on one machine") from e
                 try:
-                    mine = map_shared(theirs, total, device)
+                    mine = map_shared(theirs, total, device, offsets)
                 finally:
                     os.close(theirs)
 
@@ -94,11 +94,12 @@ def places(disk: DiskStore, names: list[str]) -> tuple[dict[str, int], int]:
     return offsets, total
 
 
-def map_shared(fd: int, nbytes: int, device: Device) -> torch.Tensor:
-    """The memory behind fd, mapped shared, as a uint8 tensor (page-locked on a GPU)."""
+def map_shared(fd: int, nbytes: int, device: Device, offsets: dict[str, int]) -> torch.Tensor:
+    """The memory behind fd, mapped shared, as a uint8 tensor (page-locked on a GPU, no
+    registration ending inside a block: each block is copied to the GPU whole)."""
     mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     array = (ctypes.c_uint8 * max(nbytes, 1)).from_buffer(mapping)
-    return device.adopt_host(array, mapping)[:nbytes]
+    return device.adopt_host(array, mapping, sorted({0, *offsets.values()}))[:nbytes]
 
 
 def allocator(memory: torch.Tensor, offsets: dict[str, int]):

@@ -18,6 +18,7 @@ elapsed_time(other) in milliseconds.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 import ctypes
 import functools
 import mmap
@@ -84,9 +85,10 @@ class Device:
         """Host memory that pinned_empty(nbytes) really takes (and locks): what budgets count."""
         return host_bytes(nbytes)
 
-    def adopt_host(self, array: ctypes.Array, mapping: mmap.mmap) -> torch.Tensor:
+    def adopt_host(self, array: ctypes.Array, mapping: mmap.mmap, starts: Sequence[int] = (0,)) -> torch.Tensor:
         """A uint8 tensor over host memory mapped elsewhere (the node's shared copy), page-locked
-        where copies need it; the tensor keeps the mapping alive."""
+        where copies need it; the tensor keeps the mapping alive. starts: where the pieces that one
+        copy may read begin (the blocks), from 0 on."""
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def memory(self) -> tuple[int, int]:
@@ -191,8 +193,8 @@ class CudaDevice(Device):
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return registered_host_memory(max(nbytes, 1), self.torch_device.index)[:nbytes]
 
-    def adopt_host(self, array: ctypes.Array, mapping: mmap.mmap) -> torch.Tensor:
-        return registered(array, mapping, "the node's shared host copy", self.torch_device.index)
+    def adopt_host(self, array: ctypes.Array, mapping: mmap.mmap, starts: Sequence[int] = (0,)) -> torch.Tensor:
+        return registered(array, mapping, "the node's shared host copy", self.torch_device.index, starts)
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.torch_device)
@@ -202,8 +204,8 @@ class CudaDevice(Device):
 
 
 REGISTRATION_CHUNK = 64 << 30
-"""The most one registration pins: drivers from r580 on are reported to refuse a single
-registration of 512 GiB or more (a 405B model's host tier in bf16)."""
+"""The most one registration pins where the memory can be split: drivers from r580 on are
+reported to refuse a single registration of 512 GiB or more (a 405B model's host tier in bf16)."""
 
 CU_MEMHOSTREGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the registering one
 
@@ -280,14 +282,28 @@ def registered_host_memory(nbytes: int, index: int) -> torch.Tensor:
     return registered(*host_mapping(host_bytes(nbytes)), "host memory", index)
 
 
-def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int) -> torch.Tensor:
-    """array (inside mapping) page-locked for GPU index, in chunks of at most REGISTRATION_CHUNK, as
-    a uint8 tensor that keeps both alive."""
+def registration_chunks(nbytes: int, starts: Sequence[int]) -> list[tuple[int, int]]:
+    """The (start, length) ranges to register: whole pieces, a piece running from one of starts to
+    the next, as many to a range as fit in REGISTRATION_CHUNK (one larger piece alone). A copy reads
+    within one piece, and CUDA refuses one whose host side spans two registrations (an H200, driver
+    580: cudaErrorInvalidValue), so no registration may end inside a piece."""
+    chunks: list[tuple[int, int]] = []
+    for start, end in zip(starts, [*starts[1:], nbytes]):
+        if chunks and end - chunks[-1][0] <= REGISTRATION_CHUNK:
+            chunks[-1] = (chunks[-1][0], end - chunks[-1][0])
+        else:
+            chunks.append((start, end - start))
+    return chunks
+
+
+def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int, starts: Sequence[int] = (0,)) -> torch.Tensor:
+    """array (inside mapping) page-locked for GPU index, in registration_chunks of its pieces
+    (which begin at starts), as a uint8 tensor that keeps both alive."""
     address, nbytes = ctypes.addressof(array), len(array)
     registration = _Registration(mapping, cuda_driver(), index)
     with registration.driver.current(index):
-        for start in range(0, nbytes, REGISTRATION_CHUNK):
-            status = registration.driver.register(address + start, min(REGISTRATION_CHUNK, nbytes - start))
+        for start, length in registration_chunks(nbytes, starts):
+            status = registration.driver.register(address + start, length)
             if status != 0:
                 registration.release()
                 raise ZeroliteError(f"pinning {nbytes / 1e9:.2f} GB of {what} failed (CUDA driver error {status}): "
