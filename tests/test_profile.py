@@ -9,6 +9,7 @@ import pytest
 
 import zerolite
 from cli_runner import run
+from simulated_device import SimulatedDevice
 from zerolite.profile.machine import measure_disk
 from zerolite.profile.run import profile_run
 from zerolite.runtime.timeline import Timeline
@@ -22,10 +23,10 @@ def layout(make_layout):
                        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128)
 
 
-def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5):
+def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5, device="cpu"):
     timeline = Timeline()
-    with zerolite.load(layout, offload=offload, device="cpu", prefetch_depth=depth, timeline=timeline, cpu_memory=0,
-                       show_progress=False) as lm:
+    with zerolite.load(layout, offload=offload, device=device, prefetch_depth=depth, timeline=timeline, cpu_memory=0,
+                       gpu_memory=0, show_progress=False) as lm:
         return profile_run(lm, timeline, batch, new_tokens, prompt_tokens=8), timeline
 
 
@@ -110,6 +111,17 @@ def test_a_prefill_slow_for_its_size_is_flagged(layout):
 def test_verdict_compute_bound_with_everything_resident_and_a_large_batch(layout):
     report, _ = profiled(layout, "none", depth=2, batch=64)
     assert report.bottleneck == "compute" and report.io_s == 0, report.verdict
+
+
+@pytest.mark.alone
+def test_verdict_disk_bound_on_a_gpu_counts_the_device_idle_while_the_host_waits_for_reads(layout):
+    """On a GPU the host waits for the disk and the device idles meanwhile: that idle is compute
+    waiting. A wait timed only from where the host queued it (after the read) missed it, and an
+    H200 streaming 1.6 GB a step from a 2.2 GB/s disk was called compute-bound (679 of 707 ms)."""
+    report, timeline = profiled(layout, "nvme", depth=6, batch=1, device=SimulatedDevice(seed=0))
+    assert timeline.on("read wait"), "the host never waited for a read: nothing to count"
+    assert report.bottleneck == "disk", report.verdict
+    assert report.wait_s > report.compute_s, report
 
 
 @pytest.mark.alone

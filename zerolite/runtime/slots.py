@@ -23,6 +23,7 @@ Slots never decide which block comes next; the executor does.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -149,11 +150,10 @@ class Slots:
         compute = self.device.compute_stream()
         for expert in experts:
             fetch = slot.experts[expert]
-            if fetch.ticket is not None:
-                with self.timeline.span("read wait" if self.separate else "wait", f"{name} expert {expert}"):
+            with self._stalled(f"{name} expert {expert}", reading=fetch.ticket is not None):
+                if fetch.ticket is not None:
                     self._land_expert(slot, expert, block=True)
-            if self.separate:
-                with self.timeline.span("wait", f"{name} expert {expert}", stream=compute):
+                if self.separate:
                     self.device.wait_event(compute, fetch.copied)
 
     def first_here(self, name: str, experts: list[int]) -> tuple[int, bool]:
@@ -189,22 +189,35 @@ class Slots:
         1. wait for its read, if any is still in flight (the host waits: on a CPU device that is
            compute waiting, on a GPU the host that queues compute)
         2. separate device memory: queue the copy if it is not queued yet; make compute wait for
-           it on the device, timed there, since the host does not wait
+           it on the device
         """
         slot = self._by_block[name]
-        if slot.ticket is not None:
-            with self.timeline.span("read wait" if self.separate else "wait", name):
-                self._await(slot)
-        slot.in_use = True
         length = self.manifest.block(name).length
-        if not self.separate:
-            return slot.source[:length]
-        if slot.copied is None:
-            self._copy(slot)
-        compute = self.device.compute_stream()
-        with self.timeline.span("wait", name, stream=compute):
-            self.device.wait_event(compute, slot.copied)
+        with self._stalled(name, reading=slot.ticket is not None):
+            if slot.ticket is not None:
+                self._await(slot)
+            slot.in_use = True
+            if not self.separate:
+                return slot.source[:length]
+            if slot.copied is None:
+                self._copy(slot)
+            self.device.wait_event(self.device.compute_stream(), slot.copied)
         return slot.device[:length]
+
+    @contextlib.contextmanager
+    def _stalled(self, what: str, reading: bool):
+        """Times compute waiting for what's bytes. On a CPU, the host's wait for the read. On a GPU,
+        on the compute stream, from before the host waits for the read: the span starts when the
+        device has run the work queued before it, so a device left idle while the host waits for
+        the disk counts as waiting (a span queued after the host's wait would start late and miss
+        it, and a disk-bound step would pass for compute); the host's own wait is "read wait"."""
+        if not self.separate:
+            with self.timeline.span("wait", what) if reading else contextlib.nullcontext():
+                yield
+            return
+        with self.timeline.span("wait", what, stream=self.device.compute_stream()):
+            with self.timeline.span("read wait", what) if reading else contextlib.nullcontext():
+                yield
 
     def release(self, name: str) -> None:
         """Compute is done with the block (on a GPU: once the work queued so far has run)."""
