@@ -11,7 +11,6 @@ import torch
 
 import zerolite
 from cli_runner import assert_one_line_error, run
-from zerolite.runtime import preflight
 
 
 def test_a_file_system_without_o_direct_gets_one_warning_and_still_runs(capfd, monkeypatch, make_layout):
@@ -25,7 +24,7 @@ def test_a_file_system_without_o_direct_gets_one_warning_and_still_runs(capfd, m
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(preflight.os, "open", open_without_direct)
+    monkeypatch.setattr(os, "open", open_without_direct)
     with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", show_progress=False) as lm:
         out = lm.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("zerolite: warning:")]

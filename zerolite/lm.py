@@ -264,7 +264,7 @@ def load(
             layout = open_layout(layout_folder, dtype)
             target = rank_device(policy, world)
             target.adopt_thread()  # what transformers allocates on "cuda" lands on the model's GPU, not GPU 0
-            tokenizer = load_tokenizer(layout_folder)
+            tokenizer = load_tokenizer(layout.side_folder)
 
         def draft_first() -> Policy:
             """The draft is held whole: loaded before the budgets, with a ring deep enough to read
@@ -291,7 +291,7 @@ def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, dev
                show_progress: bool) -> OffloadedLM:
     """The draft of speculative decoding, held whole on the model's device (zerolite.spec.draft)."""
     folder = draft_layout(spec, target, group_size, show_progress)
-    check_same_vocabulary(tokenizer, AutoConfig.from_pretrained(target.folder), folder)
+    check_same_vocabulary(tokenizer, AutoConfig.from_pretrained(target.side_folder), folder)
     check_draft_fits(Layout.open(folder), device)
     draft = load(folder, offload="none", device=device, show_progress=show_progress, world=SINGLE)  # each rank its own
     if spec in SELF_DRAFTS and not device.separate_memory:  # a GPU would dequantise it at every guess

@@ -1,4 +1,4 @@
-"""zerolite convert and zerolite inspect: making a layout, and looking into one."""
+"""zerolite convert, inspect and verify: making a layout, looking into one, and checking its bytes."""
 
 from __future__ import annotations
 
@@ -44,10 +44,7 @@ def inspect(
     verify: Annotated[bool, typer.Option("--verify", help="Read every block and check its checksum.")] = False,
 ) -> None:
     """Show a layout's blocks; with --verify, read them all back and check their checksums."""
-    from zerolite.io.engine import IoEngine, aligned_empty
     from zerolite.layout.folder import Layout
-    from zerolite.layout.store import DiskStore
-    from zerolite.progress import byte_progress
 
     layout = Layout.open(path)
     manifest = layout.manifest
@@ -60,6 +57,35 @@ def inspect(
     if not verify:
         stderr.print(table)
         return
+    check_blocks(layout)
+
+
+@app.command("verify")
+def verify_layout(
+    path: Annotated[Path, typer.Argument(help="A layout folder: converted, or in place.")],
+) -> None:
+    """Check every block against its checksum. A layout in place has none at first (safetensors
+    carries none): its blocks are read once and their checksums recorded in its manifest, against
+    which every later run checks each block it reads."""
+    from zerolite.layout.folder import Layout
+
+    layout = Layout.open(path)
+    if any(block.crc32 is None for block in layout.manifest.blocks):
+        from zerolite.convert.in_place import record_checksums
+
+        record_checksums(layout)
+        typer.echo(f"checksums of {len(layout.manifest.blocks)} blocks recorded in {path}: later runs check every block they read")
+        return
+    check_blocks(layout)
+
+
+def check_blocks(layout) -> None:
+    """Reads every block and checks it against its checksum, with a bar."""
+    from zerolite.io.engine import IoEngine, aligned_empty
+    from zerolite.layout.store import DiskStore
+    from zerolite.progress import byte_progress
+
+    manifest = layout.manifest
     disk = DiskStore(layout, IoEngine())
     buffer = aligned_empty(max(b.length for b in manifest.blocks))
     with byte_progress("verifying", manifest.data_bytes, len(manifest.blocks)) as progress:

@@ -10,12 +10,14 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 
 import torch
 
 from zerolite import _engine
+from zerolite.errors import ZeroliteError
 
 ALIGNMENT = 4096
 """O_DIRECT needs buffer address, file offset and length aligned to the device's block size."""
@@ -145,3 +147,15 @@ class IoEngine:
         """Submit and wait in one call, for when there is nothing to overlap."""
         self.wait(self.submit(path, dst, file_offset))
         return dst
+
+
+def supports_direct_io(path: os.PathLike) -> bool:
+    """Whether path's file system takes O_DIRECT opens (older tmpfs and some network ones refuse)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise ZeroliteError(f"cannot open {path}: {e.strerror}") from e
+    os.close(fd)
+    return True

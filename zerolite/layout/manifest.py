@@ -5,6 +5,10 @@
       weights.bin        every block as one 4 KiB-aligned extent, in execution order
       config.json ...    the model's config, generation config and tokenizer files
 
+A layout in place (zerolite.layout.in_place) is manifest.json alone: its blocks are pieces of the
+checkpoint's own safetensors shards (the shards' sizes and times recorded, so that a changed shard
+is refused), and the config and tokenizer are read from the checkpoint's folder.
+
 Everything read from manifest.json is validated before use: names are plain dotted identifiers,
 the data file stays inside the layout folder, and every extent lies inside its file.
 """
@@ -21,7 +25,7 @@ from pathlib import Path
 import torch
 
 from zerolite.errors import ZeroliteError
-from zerolite.io.engine import ALIGNMENT
+from zerolite.io.engine import ALIGNMENT, align_up
 
 FORMAT = "zerolite-layout"
 VERSION = 1
@@ -78,13 +82,32 @@ class ExpertArea:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """A checkpoint file a layout in place reads from, as it was when the manifest was written."""
+    path: str      # absolute
+    size: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a block in place: bytes of one shard, 4 KiB aligned at both ends (the last piece of
+    a shard may run past its end; those bytes read as zeros). A block's bytes are its pieces one
+    after another."""
+    shard: int    # index into Manifest.shards
+    offset: int   # in the shard
+    length: int
+
+
+@dataclass(frozen=True)
 class BlockEntry:
     name: str
-    offset: int   # bytes from the start of the data file, 4 KiB aligned
+    offset: int   # bytes from the start of the data file, 4 KiB aligned (0 in place)
     length: int   # bytes, 4 KiB aligned (zero padded)
-    crc32: int    # of all `length` bytes
+    crc32: int | None  # of all `length` bytes; None in place until `zerolite verify` hashes it
     tensors: tuple[TensorEntry, ...]
     experts: ExpertArea | None = None  # where a mixture-of-experts layer's experts lie apart
+    pieces: tuple[Piece, ...] = ()     # in place: where its bytes lie in the shards
 
     @property
     def dense_length(self) -> int:
@@ -98,7 +121,8 @@ class BlockEntry:
         experts = raw.get("experts")
         if experts is not None:
             experts = ExpertArea(**{**experts, "crc32s": tuple(experts["crc32s"])})
-        return cls(**{**raw, "tensors": tensors, "experts": experts})
+        pieces = tuple(Piece(**piece) for piece in raw.get("pieces", ()))
+        return cls(**{**raw, "tensors": tensors, "experts": experts, "pieces": pieces})
 
 
 @dataclass(frozen=True)
@@ -111,9 +135,17 @@ class Manifest:
     source: dict[str, str]           # what it was converted from: {"model", "fingerprint"}
     data_file: str = DATA_FILE
     quantization: dict | None = None  # {"weights": "int8", ...} when the layers' Linear weights are quantized
+    shards: tuple[Shard, ...] = ()    # in place: the checkpoint files its blocks' pieces lie in
+
+    @property
+    def in_place(self) -> bool:
+        return bool(self.shards)
 
     @property
     def data_bytes(self) -> int:
+        """The bytes its blocks take: the data file's, or in place what the pieces read."""
+        if self.in_place:
+            return sum(block.length for block in self.blocks)
         return self.blocks[-1].offset + self.blocks[-1].length if self.blocks else 0
 
     @property
@@ -147,7 +179,8 @@ class Manifest:
             if raw.pop("format", None) != FORMAT or raw.pop("version", None) != VERSION:
                 raise ValueError(f"not a {FORMAT} version {VERSION} manifest")
             blocks = tuple(BlockEntry.from_dict(b) for b in raw.pop("blocks"))
-            manifest = cls(blocks=blocks, **raw)
+            shards = tuple(Shard(**shard) for shard in raw.pop("shards", ()))
+            manifest = cls(blocks=blocks, shards=shards, **raw)
             manifest.validate()
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ZeroliteError(
@@ -169,7 +202,9 @@ class Manifest:
         for block in self.blocks:
             if not NAME.fullmatch(block.name):
                 raise ValueError(f"bad block name {block.name!r}")
-            if block.offset % ALIGNMENT or block.length % ALIGNMENT or block.offset < end:
+            if self.in_place:
+                self._validate_pieces(block)
+            elif block.offset % ALIGNMENT or block.length % ALIGNMENT or block.offset < end or block.pieces:
                 raise ValueError(f"block {block.name} has a misaligned or overlapping extent")
             end = block.offset + block.length
             for tensor in block.tensors:
@@ -185,10 +220,24 @@ class Manifest:
                         or area.count < 1 or len(area.crc32s) != area.count
                         or area.offset + area.count * area.stride != block.length):
                     raise ValueError(f"block {block.name} has a bad expert area")
+        if not self.in_place and any(block.crc32 is None for block in self.blocks):
+            raise ValueError("a converted block has no checksum")
         stored = {t.name for b in self.blocks for t in b.tensors}
         for alias, target in self.aliases.items():
             if not NAME.fullmatch(alias) or target not in stored:
                 raise ValueError(f"alias {alias!r} points at {target!r}, which is not stored")
+
+
+    def _validate_pieces(self, block: BlockEntry) -> None:
+        """A block in place: aligned pieces of recorded shards, as many bytes as the block has."""
+        if any(not Path(shard.path).is_absolute() for shard in self.shards):
+            raise ValueError("a shard path is not absolute")
+        if block.experts is not None or not block.pieces or block.length != sum(p.length for p in block.pieces):
+            raise ValueError(f"block {block.name} has bad pieces")
+        for piece in block.pieces:
+            if (not 0 <= piece.shard < len(self.shards) or piece.offset % ALIGNMENT or piece.length % ALIGNMENT
+                    or piece.length <= 0 or piece.offset + piece.length > align_up(self.shards[piece.shard].size)):
+                raise ValueError(f"block {block.name} has a piece outside its shard")
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:

@@ -1,4 +1,5 @@
-"""Where each block's bytes live between uses: in the layout on disk, or in host memory.
+"""Where each block's bytes live between uses: in the layout on disk (its data file, or in place
+the checkpoint's shards), or in host memory.
 
     disk = DiskStore(layout, engine)            # submit(name, buffer, start=0, length=None) -> ticket; poll / wait
     ram = MemoryStore.load(disk, names, device.pinned_empty)  # each block read once into host memory
@@ -11,12 +12,14 @@ Both hand out raw block bytes; turning them into tensors is zerolite.layout.fold
 from __future__ import annotations
 
 import contextlib
+import os
 import zlib
+from pathlib import Path
 
 import torch
 
 from zerolite.errors import ZeroliteError
-from zerolite.io.engine import IoEngine, aligned_empty
+from zerolite.io.engine import ALIGNMENT, IoEngine, aligned_empty
 from zerolite.layout.folder import Layout, tensor_views
 from zerolite.layout.manifest import BlockEntry
 
@@ -26,7 +29,10 @@ READ_TIMEOUT_S = 120.0  # a block read taking longer means a disk that stopped a
 class DiskStore:
     """Blocks at home in a layout, read by the engine with O_DIRECT. The one place that owns the
     engine's tickets, the time-out, each block's checksum and the translation of a failure (EIO, a
-    file cut short, a disk that stopped answering) into one ZeroliteError naming file and cause."""
+    file cut short, a disk that stopped answering) into one ZeroliteError naming file and cause.
+
+    A block in place is several pieces of the checkpoint's shards, one read each; its ticket stands
+    for all of them."""
 
     def __init__(self, layout: Layout, engine: IoEngine, timeout_s: float = READ_TIMEOUT_S):
         self.layout = layout
@@ -34,6 +40,8 @@ class DiskStore:
         self.timeout_s = timeout_s
         self.bytes_read = 0          # bytes submitted through submit(): what streaming read
         self._verified: set[str] = set()
+        self._pieces: dict[int, list[int]] = {}      # a block in place's ticket -> its reads still running
+        self._finished: dict[int, float] = {}        # ... and when the latest one done so far finished
 
     def entry(self, name: str) -> BlockEntry:
         return self.layout.manifest.block(name)
@@ -44,23 +52,89 @@ class DiskStore:
         entry = self.entry(name)
         length = entry.length - start if length is None else length
         self.bytes_read += length
-        return self.engine.submit(self.layout.data_path, buffer[:length], entry.offset + start)
+        if not entry.pieces:
+            return self.engine.submit(self.layout.data_path, buffer[:length], entry.offset + start)
+        tickets = []
+        for path, size, offset, at, nbytes in self._piece_reads(entry, start, length):
+            direct = max(min(offset + nbytes, size // ALIGNMENT * ALIGNMENT) - offset, 0)
+            if direct:
+                tickets.append(self.engine.submit(path, buffer[at:at + direct], offset))
+            if direct < nbytes:
+                self._read_tail(path, size, offset + direct, buffer[at + direct:at + nbytes])
+        ticket = tickets[0] if tickets else self.engine.submit(self.layout.read_paths[0], buffer[:0], 0)
+        self._pieces[ticket], self._finished[ticket] = tickets, 0.0
+        return ticket
+
+    def _piece_reads(self, entry: BlockEntry, start: int, length: int):
+        """(path, its size, file offset, offset in the buffer, bytes) of each piece's share of
+        the block's bytes [start, start + length)."""
+        at = 0
+        for piece in entry.pieces:
+            low, high = max(start, at), min(start + length, at + piece.length)
+            if low < high:
+                shard = self.layout.manifest.shards[piece.shard]
+                yield shard.path, shard.size, piece.offset + low - at, low - start, high - low
+            at += piece.length
+
+    def _read_tail(self, path: str, size: int, offset: int, into: torch.Tensor) -> None:
+        """A shard's last bytes, which end inside an aligned page (O_DIRECT reads whole pages):
+        read through the page cache, under 4 KiB once per block, and past the end zeros."""
+        with self._failures():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, max(min(size - offset, into.nbytes), 0), offset)
+            finally:
+                os.close(fd)
+        into.zero_()
+        if data:
+            into[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def poll(self, ticket: int) -> float | None:
         """When the read finished (the ticket is then spent), or None while it runs; never blocks."""
         with self._failures():
-            return self.engine.poll(ticket)
+            if ticket not in self._pieces:
+                return self.engine.poll(ticket)
+            running = self._pieces[ticket]
+            while running:
+                finished = self.engine.poll(running[0])
+                if finished is None:
+                    return None
+                self._finished[ticket] = max(self._finished[ticket], finished)
+                running.pop(0)
+            del self._pieces[ticket]
+            return self._finished.pop(ticket)
 
     def wait(self, ticket: int) -> float:
         """Blocks until the read is done; returns when it finished (perf_counter clock)."""
+        if ticket not in self._pieces:
+            return self._wait_one(ticket)
+        running = self._pieces[ticket]
+        try:
+            while running:
+                self._finished[ticket] = max(self._finished[ticket], self._wait_one(running[0]))
+                running.pop(0)
+        except ZeroliteError:
+            for other in running[1:]:  # no read may outlive its buffer
+                with contextlib.suppress(ZeroliteError):
+                    self._wait_one(other)
+            del self._pieces[ticket], self._finished[ticket]
+            raise
+        del self._pieces[ticket]
+        return self._finished.pop(ticket)
+
+    def _wait_one(self, ticket: int) -> float:
         with self._failures():
             try:
                 return self.engine.wait(ticket, self.timeout_s)
             except TimeoutError:
                 raise ZeroliteError(
-                    f"reading {self.layout.data_path} has not finished after {self.timeout_s:.0f} s: the disk "
+                    f"reading {self._where} has not finished after {self.timeout_s:.0f} s: the disk "
                     "stopped answering; check it (dmesg) and run again"
                 ) from None
+
+    @property
+    def _where(self) -> str:
+        return f"the checkpoint in {self.layout.side_folder}" if self.layout.manifest.in_place else str(self.layout.data_path)
 
     def wait_all(self, tickets: list[int]) -> None:
         """Waits for every ticket, even after one failed (no read may outlive its buffer), then
@@ -82,8 +156,9 @@ class DiskStore:
             self.verify_crc(name, zlib.crc32(buffer[: self.entry(name).length].numpy()))
 
     def verify_crc(self, name: str, crc32: int) -> None:
-        """Checks a CRC-32 computed over the block's bytes (in pieces, say) against its checksum."""
-        if crc32 != self.entry(name).crc32:
+        """Checks a CRC-32 computed over the block's bytes (in pieces, say) against its checksum
+        (a block in place has none until `zerolite verify` records one)."""
+        if self.entry(name).crc32 not in (None, crc32):
             raise self._damaged(name)
         self._verified.add(name)
 
@@ -97,6 +172,10 @@ class DiskStore:
             self._verified.add(key)
 
     def _damaged(self, what: str) -> ZeroliteError:
+        if self.layout.manifest.in_place:
+            return ZeroliteError(f"block {what} of the checkpoint in {self.layout.side_folder} fails the checksum "
+                                 "`zerolite verify` recorded (a shard was altered or the disk returned bad data): "
+                                 "download the model again")
         return ZeroliteError(
             f"block {what} of layout {self.layout.folder} fails its checksum ({self.layout.manifest.data_file} "
             f"was altered or the disk returned bad data): convert the model again"
@@ -115,10 +194,9 @@ class DiskStore:
         try:
             yield
         except OSError as e:
-            raise ZeroliteError(
-                f"reading the layout failed: {' '.join(str(e).split())}: check the disk (dmesg), or convert the model "
-                f"again (zerolite convert MODEL --path {self.layout.folder})"
-            ) from e
+            fix = ("download the model again" if self.layout.manifest.in_place
+                   else f"convert the model again (zerolite convert MODEL --path {self.layout.folder})")
+            raise ZeroliteError(f"reading the layout failed: {' '.join(str(e).split())}: check the disk (dmesg), or {fix}") from e
 
 
 class MemoryStore:

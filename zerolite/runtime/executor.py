@@ -205,7 +205,7 @@ def build_model(layout: Layout, device: torch.device) -> nn.Module:
     every time a slot is rebound. A static cache that a config asks for by default (Gemma-2's
     "hybrid") gives way to the dynamic one, which zerolite's K/V offload also builds on.
     """
-    config = AutoConfig.from_pretrained(layout.folder)
+    config = AutoConfig.from_pretrained(layout.side_folder)
     model = build_meta_model(config, DTYPES[layout.manifest.dtype], real_buffers=True)
     model.eval()
     model.requires_grad_(False)
@@ -213,8 +213,8 @@ def build_model(layout: Layout, device: torch.device) -> nn.Module:
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.device.type != "meta":
                 module._buffers[name] = buffer.to(device)
-    if (layout.folder / GENERATION_CONFIG).is_file():
-        model.generation_config = GenerationConfig.from_pretrained(layout.folder)
+    if (layout.side_folder / GENERATION_CONFIG).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(layout.side_folder)
     model.generation_config.disable_compile = True
     if model.generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
         model.generation_config.cache_implementation = None

@@ -6,13 +6,12 @@ run, slower or riskier than it could) are returned for the caller to print, one 
 
 from __future__ import annotations
 
-import errno
-import os
 
 import psutil
 
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
+from zerolite.io.engine import supports_direct_io
 from zerolite.layout.folder import Layout
 from zerolite.quant.linear import dense_bytes, dequantize_workspace, keeps_dense
 from zerolite.runtime.plan import Plan
@@ -73,20 +72,9 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
                 + ("lower `gpu_memory`" if policy.gpu_memory is not None else "lower `prefetch_depth`, or free the GPU")
             )
 
-    if plan.on_disk and not supports_direct_io(layout.data_path):
+    if plan.on_disk and not all(map(supports_direct_io, layout.read_paths)):
         warnings.append(
             f"{layout.folder} is on a file system without O_DIRECT (older tmpfs, some network file systems): reading through the page cache, "
             "which costs host memory and bandwidth"
         )
     return warnings
-
-
-def supports_direct_io(path: os.PathLike) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return False
-        raise ZeroliteError(f"cannot open {path}: {e.strerror}") from e
-    os.close(fd)
-    return True

@@ -1,0 +1,137 @@
+"""Streaming from the checkpoint's own safetensors shards: the same tokens as transformers, only a
+manifest written, the shards' pieces read (several shards, a shard's unaligned end), a changed shard
+refused, and one line saying why where a checkpoint converts instead."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+import zerolite
+import zerolite.convert.resolve
+from cli_runner import run
+from helpers import greedy
+from test_executor import assert_same_generation
+from tiny_models import save_tiny_model
+from zerolite.errors import ZeroliteError
+from zerolite.layout.folder import Layout
+from zerolite.layout.manifest import MANIFEST
+
+ROWS = [[5, 9, 3, 7, 2, 11], [8, 4, 6]]
+NEW_TOKENS = 6
+ARCHS = ["llama", "gpt2", "opt", "bloom", "mistral"]
+
+
+def reference(source: Path):
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    return greedy(model, ROWS, NEW_TOKENS, logits=True)
+
+
+def files_under(folder: Path) -> dict[str, int]:
+    return {str(path.relative_to(folder)): path.stat().st_size for path in folder.rglob("*") if path.is_file()}
+
+
+def streamed_in_place(source: Path, root: Path, device="cpu", **setup):
+    """Loads source under root, every layer streamed from disk, and checks that it runs in place."""
+    lm = zerolite.load(str(source), path=root, device=device, offload="nvme", cpu_memory=0, gpu_memory=0,
+                       show_progress=False, **setup)
+    assert lm.layout.manifest.in_place and not (lm.layout.folder / lm.layout.manifest.data_file).exists()
+    assert all(name in lm.plan.streamed for name in lm.layout.manifest.layer_names), lm.plan
+    return lm
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_in_place_streams_the_shards_and_equals_transformers(make_source, tmp_path, arch):
+    source = make_source(arch, layers=3)
+    with streamed_in_place(source, tmp_path) as lm:
+        assert_same_generation(reference(source), greedy(lm, ROWS, NEW_TOKENS, logits=True))
+        layers = sum(lm.layout.manifest.block(name).length for name in lm.layout.manifest.layer_names)
+        assert lm.bytes_read >= NEW_TOKENS * layers  # every step read every layer from the shards
+    written = files_under(tmp_path)
+    assert list(written) == [f"{lm.layout.folder.name}/{MANIFEST}"] and sum(written.values()) < 64 << 10, written
+
+
+def test_blocks_across_shards_and_a_shards_unaligned_end(tmp_path):
+    """Shards of 100 kB: layers straddle shards (a piece in each), and pieces end past a
+    shard's last byte (read through the page cache, the rest zeros)."""
+    source = tmp_path / "sharded"
+    save_tiny_model("llama", source, layers=4, hidden_size=128, intermediate_size=256)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    model.save_pretrained(source, max_shard_size="100KB")
+    for stale in (source / "model.safetensors",):
+        stale.unlink(missing_ok=True)
+    with streamed_in_place(source, tmp_path / "root") as lm:
+        manifest = lm.layout.manifest
+        assert len(manifest.shards) >= 3
+        assert any(len({p.shard for p in block.pieces}) >= 2 for block in manifest.blocks), "no block straddles shards"
+        assert any(p.offset + p.length > manifest.shards[p.shard].size for b in manifest.blocks for p in b.pieces)
+        assert_same_generation(reference(source), greedy(lm, ROWS, NEW_TOKENS, logits=True))
+
+
+@pytest.mark.cuda
+def test_in_place_on_a_gpu_equals_transformers(make_source, tmp_path, gpu):
+    source = make_source("llama", layers=3)
+    with streamed_in_place(source, tmp_path, device=gpu) as lm:
+        expected = reference(source)
+        got = greedy(lm, ROWS, NEW_TOKENS, logits=True, device="cpu" if not isinstance(gpu, str) else gpu)
+        assert_same_generation(expected, got)
+
+
+def test_a_second_load_reuses_the_manifest_and_a_changed_shard_is_refused(make_source, tmp_path):
+    source = make_source("llama", layers=3, fresh=True)
+    with streamed_in_place(source, tmp_path) as lm:
+        manifest = lm.layout.folder / MANIFEST
+    written = manifest.stat().st_mtime_ns
+    with streamed_in_place(source, tmp_path):
+        assert manifest.stat().st_mtime_ns == written
+    shard = source / "model.safetensors"
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1_000_000_000))
+    with pytest.raises(ZeroliteError, match=r"model.safetensors changed after the layout in place at .* was planned: delete"):
+        zerolite.load(str(source), path=tmp_path, show_progress=False)
+    with pytest.raises(ZeroliteError, match="changed after"):
+        Layout.open(manifest.parent)
+
+
+@pytest.mark.parametrize("case, why", [
+    ("moe", "transformers changes model.layers.0.mlp.experts.0"),
+    ("dtype", "is stored as float32, and the run uses bfloat16"),
+    ("no O_DIRECT", "refuses O_DIRECT reads"),
+])
+def test_what_cannot_stream_in_place_converts_with_one_line_saying_why(make_source, tmp_path, capsys, monkeypatch,
+                                                                       case, why):
+    source = make_source("qwen2_moe" if case == "moe" else "llama", layers=2)
+    if case == "no O_DIRECT":
+        monkeypatch.setattr(zerolite.convert.resolve, "supports_direct_io", lambda path: False)
+    with zerolite.load(str(source), path=tmp_path, dtype="bf16" if case == "dtype" else None, show_progress=False) as lm:
+        assert not lm.layout.manifest.in_place and lm.layout.data_path.is_file()
+    notes = [line for line in capsys.readouterr().err.splitlines() if "in place" in line]
+    assert len(notes) == 1 and notes[0].startswith(f"zerolite: converting {source} once, as it cannot stream in place: ")
+    assert why in notes[0], notes
+
+
+def test_verify_records_checksums_that_later_runs_check(make_source, tmp_path, capsys, monkeypatch):
+    """Safetensors has no checksums: `zerolite verify` hashes the blocks once into the manifest,
+    and a byte altered afterwards (size and time kept, so the shard looks unchanged) is caught."""
+    source = make_source("llama", layers=2, fresh=True)
+    with streamed_in_place(source, tmp_path) as lm:
+        folder = lm.layout.folder
+    assert all(block.crc32 is None for block in Layout.open(folder).manifest.blocks)
+    done = run(capsys, monkeypatch, "verify", folder)
+    assert done.code == 0 and "checksums of" in done.stdout
+    assert all(block.crc32 is not None for block in Layout.open(folder).manifest.blocks)
+    assert run(capsys, monkeypatch, "verify", folder).stdout.strip() == "every block matches its checksum"
+    shard = source / "model.safetensors"
+    layer = Layout.open(folder).manifest.block("layers.1")
+    stat = shard.stat()
+    with open(shard, "r+b") as f:
+        f.seek(layer.pieces[0].offset + layer.tensors[0].offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(ZeroliteError, match=r"block layers\.\d of the checkpoint in .* fails the checksum `zerolite verify` recorded"):
+        with streamed_in_place(source, tmp_path) as lm:
+            greedy(lm, ROWS, 2)
