@@ -32,6 +32,7 @@ from transformers.modeling_utils import LoadStateDictConfig
 from zerolite.convert.gguf import gguf_as_folder
 from zerolite.errors import ZeroliteError
 from zerolite.hf import quiet_transformers
+from zerolite.io.engine import aligned_empty
 from zerolite.layout.blocks import BlockPartition, BlockSpec
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -148,7 +149,10 @@ class StoredTensor:
     shape: tuple[int, ...]
 
     def __getitem__(self, index) -> torch.Tensor:
-        data = torch.empty(self.nbytes, dtype=torch.uint8)
+        # Memory of its own from 2 MiB on (aligned_empty): unmapped when the block is done with it.
+        # From malloc, glibc's raised mmap threshold kept tensors of tens of MB on its heap, which
+        # grew by a layer's worth every few layers.
+        data = aligned_empty(self.nbytes)
         with open(self.path, "rb", buffering=0) as f:
             view, done = memoryview(data.numpy()), 0
             while done < self.nbytes:

@@ -1,0 +1,84 @@
+"""zerolite convert beside a plain copy of the same bytes, both from a cold page cache: throughput,
+and the converter's peak resident memory (which must not grow with the model). Run as root.
+
+    python tools/bench_convert.py --source build/llama19/source [--weights int4] [--scratch DIR] [--json out.json]
+
+The copy reads the checkpoint's weight files and writes them into --scratch (made durable with
+fsync, as convert makes its layout); convert then writes a fresh layout there. Both outputs are
+deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from zerolite.convert.checkpoint import Checkpoint
+from zerolite.profile.machine import drop_page_cache
+
+COPY_CHUNK = 64 << 20
+
+
+def plain_copy(files: list[Path], into: Path) -> float:
+    """Seconds to copy files into a folder, chunk by chunk, each made durable."""
+    started = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as source, open(into / path.name, "wb", buffering=0) as target:
+            while chunk := source.read(COPY_CHUNK):
+                target.write(chunk)
+            os.fsync(target.fileno())
+    return time.perf_counter() - started
+
+
+def timed_convert(source: str, into: Path, weights: str | None) -> tuple[float, int]:
+    """Seconds and peak RSS (bytes) of `zerolite convert` in a process of its own."""
+    command = [sys.executable, "-m", "zerolite", "convert", source, "--path", str(into)]
+    if weights:
+        command += ["--weights", weights]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    started = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if peak <= before:
+        sys.exit("bench_convert: the converter's peak RSS is hidden by an earlier child's: run it alone")
+    return seconds, peak * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", required=True)
+    parser.add_argument("--weights", default=None, help="int8 or int4 (default: the checkpoint's precision)")
+    parser.add_argument("--scratch", default=None, help="where the copy and the layout go (default: beside --source)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    checkpoint = Checkpoint.open(args.source)
+    nbytes = sum(path.stat().st_size for path in checkpoint.weight_files)
+    with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.source).resolve().parent, prefix="convert-") as scratch:
+        copy, layout = Path(scratch) / "copy", Path(scratch) / "layout"
+        copy.mkdir()
+        drop_page_cache()
+        copy_s = plain_copy(list(checkpoint.weight_files), copy)
+        shutil.rmtree(copy)
+        drop_page_cache()
+        convert_s, peak_rss = timed_convert(args.source, layout, args.weights)
+    result = {"bytes": nbytes, "copy_s": copy_s, "convert_s": convert_s, "copy_gbps": nbytes / copy_s / 1e9,
+              "convert_gbps": nbytes / convert_s / 1e9, "ratio": copy_s / convert_s, "convert_peak_rss_bytes": peak_rss,
+              "weights": args.weights}
+    print(f"{nbytes / 1e9:.2f} GB: plain copy {copy_s:.1f} s ({result['copy_gbps']:.2f} GB/s), convert"
+          f"{' --weights ' + args.weights if args.weights else ''} {convert_s:.1f} s ({result['convert_gbps']:.2f} GB/s) "
+          f"= {result['ratio']:.2f}x the copy's throughput; convert's peak RSS {peak_rss / 1e9:.2f} GB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
