@@ -160,12 +160,13 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
 
 
 def fio_cold_gbps(layout: Layout) -> float | None:
-    """fio's cold sequential O_DIRECT read of the layout's weights; None without fio."""
+    """fio's cold sequential O_DIRECT read of the layout's weights (in place: of its largest shard); None without fio."""
     if not shutil.which("fio"):
         return None
-    size = min(layout.data_path.stat().st_size, DISK_READ_BYTES) // ALIGNMENT * ALIGNMENT
+    path = max(layout.read_paths, key=lambda p: p.stat().st_size)
+    size = min(path.stat().st_size, DISK_READ_BYTES) // ALIGNMENT * ALIGNMENT
     drop_page_cache()
-    return round(fio_gbps(str(layout.data_path), size, FIO_CHUNK, FIO_DEPTH), 3)
+    return round(fio_gbps(str(path), size, FIO_CHUNK, FIO_DEPTH), 3)
 
 
 def main() -> None:

@@ -30,6 +30,50 @@ def zerolite_model(args, offload: str, layout: str | None = None, **policy):
     return lm, {"bytes_read": lambda: lm.bytes_read}
 
 
+def zerolite_in_place(args):
+    """The checkpoint's own shards streamed in place: only a manifest written, under --scratch
+    (prepare_s: planning it, or finding it planned)."""
+    from zerolite.convert.resolve import ensure_layout
+
+    started = time.perf_counter()
+    folder = ensure_layout(args.source, os.path.join(args.scratch, "in-place"), None, False, False)
+    prepare_s = time.perf_counter() - started
+    lm, extras = zerolite_model(args, "nvme", layout=str(folder), cpu_memory=0)
+    return lm, {**extras, "prepare_s": lambda: prepare_s}
+
+
+def zerolite_in_place_default(args):
+    """In place with zerolite's default budgets: as many layers held in host memory as they allow."""
+    import zerolite
+
+    lm = zerolite.load(args.source, path=os.path.join(args.scratch, "in-place"), offload="nvme", device=args.device,
+                       show_progress=False)
+    return lm, {"bytes_read": lambda: lm.bytes_read}
+
+
+def zerolite_converted_first(args):
+    """What a run costs without streaming in place: convert into a fresh layout (prepare_s), then load it."""
+    from zerolite.convert.writer import convert
+
+    folder = os.path.join(args.scratch, "converted")
+    started = time.perf_counter()
+    convert(args.source, folder, show_progress=False)
+    prepare_s = time.perf_counter() - started
+    lm, extras = zerolite_model(args, "nvme", layout=folder, cpu_memory=0)
+    return lm, {**extras, "prepare_s": lambda: prepare_s}
+
+
+def accelerate_auto(args):
+    """transformers + accelerate as a user sets it up for a model larger than RAM: device_map="auto"
+    with an 18 GiB host budget, the rest offloaded to disk."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.source, dtype=torch.bfloat16, device_map="auto",
+                                                 max_memory={"cpu": "18GiB"},
+                                                 offload_folder=os.path.join(args.scratch, "accelerate-offload"))
+    return model, {}
+
+
 def transformers_in_ram(args):
     from transformers import AutoModelForCausalLM
 
@@ -159,6 +203,10 @@ CONTENDERS = {
     "zerolite-nvme-kv0.5": lambda a: zerolite_model(a, "nvme", cpu_memory=0, kv_offload=0.5),
     "zerolite-nvme-kv1.0": lambda a: zerolite_model(a, "nvme", cpu_memory=0, kv_offload=1.0),
     "zerolite-cpu": lambda a: zerolite_model(a, "cpu"),
+    "zerolite-nvme-in-place": zerolite_in_place,
+    "zerolite-in-place-default": zerolite_in_place_default,
+    "accelerate-auto": accelerate_auto,
+    "zerolite-nvme-convert-first": zerolite_converted_first,
     "zerolite-nvme-int8": lambda a: zerolite_model(a, "nvme", layout=a.int8_layout, cpu_memory=0),
     "zerolite-cpu-int8": lambda a: zerolite_model(a, "cpu", layout=a.int8_layout),
     "zerolite-nvme-int4": lambda a: zerolite_model(a, "nvme", layout=a.int4_layout, cpu_memory=0),
@@ -213,8 +261,9 @@ def main() -> None:
         "step_s": steps, "tokens": tokens.tolist(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
-    if "bytes_read" in extras:
-        result["bytes_read"] = extras["bytes_read"]()
+    for measure in ("bytes_read", "prepare_s"):
+        if measure in extras:
+            result[measure] = extras[measure]()
     Path(args.out).write_text(json.dumps(result))
     os._exit(0)  # some contenders (DeepSpeed's process group, its aio threads) hang at interpreter exit
 
