@@ -135,3 +135,15 @@ def test_verify_records_checksums_that_later_runs_check(make_source, tmp_path, c
     with pytest.raises(ZeroliteError, match=r"block layers\.\d of the checkpoint in .* fails the checksum `zerolite verify` recorded"):
         with streamed_in_place(source, tmp_path) as lm:
             greedy(lm, ROWS, 2)
+
+
+def test_a_missing_shard_is_refused_in_one_line_and_inspect_shows_the_pieces(make_source, tmp_path, capsys, monkeypatch):
+    source = make_source("llama", layers=2, fresh=True)
+    with streamed_in_place(source, tmp_path) as lm:
+        folder = lm.layout.folder
+    shown = run(capsys, monkeypatch, "inspect", folder)
+    assert shown.code == 0 and "read in place from 1 shard(s) of" in shown.stdout and "0:" in shown.stderr
+    (source / "model.safetensors").rename(source / "elsewhere.safetensors")
+    done = run(capsys, monkeypatch, "inspect", folder)
+    assert done.code == 1 and done.stderr.count("\n") == 1
+    assert f"model.safetensors, which the layout in place at {folder} reads, is gone" in done.stderr

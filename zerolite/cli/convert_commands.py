@@ -40,7 +40,7 @@ def convert(
 
 @app.command()
 def inspect(
-    path: Annotated[Path, typer.Argument(help="A layout folder written by zerolite convert.")],
+    path: Annotated[Path, typer.Argument(help="A layout folder: converted, or in place.")],
     verify: Annotated[bool, typer.Option("--verify", help="Read every block and check its checksum.")] = False,
 ) -> None:
     """Show a layout's blocks; with --verify, read them all back and check their checksums."""
@@ -48,12 +48,15 @@ def inspect(
 
     layout = Layout.open(path)
     manifest = layout.manifest
-    table = Table(title=f"{path} ({manifest.model_type}, {manifest.dtype})")
-    for column in ("block", "offset", "bytes", "tensors"):
+    where = "pieces (shard:offset)" if manifest.in_place else "offset"
+    table = Table(title=f"{path} ({manifest.model_type}, {manifest.dtype}{', in place' if manifest.in_place else ''})")
+    for column in ("block", where, "bytes", "tensors"):
         table.add_column(column, justify="right" if column != "block" else "left")
     for block in manifest.blocks:
-        table.add_row(block.name, str(block.offset), f"{block.length:,}", str(len(block.tensors)))
-    typer.echo(f"{len(manifest.blocks)} blocks, {manifest.data_bytes / 1e9:.3f} GB, from {manifest.source['model']}")
+        place = " ".join(f"{p.shard}:{p.offset}" for p in block.pieces) if manifest.in_place else str(block.offset)
+        table.add_row(block.name, place, f"{block.length:,}", str(len(block.tensors)))
+    kind = f"read in place from {len(manifest.shards)} shard(s) of" if manifest.in_place else "from"
+    typer.echo(f"{len(manifest.blocks)} blocks, {manifest.data_bytes / 1e9:.3f} GB, {kind} {manifest.source['model']}")
     if not verify:
         stderr.print(table)
         return
