@@ -127,10 +127,6 @@ def main() -> None:
     args.int8_layout, args.int4_layout = "", str(args.folder / "int4")
     results = {}
     try:
-        if "int4" in runs:
-            seconds, rss = timed_convert(str(source), args.folder / "int4", "int4") if not (args.folder / "int4").exists() \
-                else (None, None)
-            results["int4 convert"] = {"convert_s": seconds, "peak_rss_bytes": rss, "disk_bytes": folder_bytes(args.folder / "int4")}
         if "convert" in runs:
             copy = scratch / "copy"
             copy.mkdir()
@@ -146,6 +142,11 @@ def main() -> None:
         for run in runs:
             if run in ("read-pass", "convert"):
                 continue
+            if run == "int4" and not (args.folder / "int4").exists():
+                seconds, rss = timed_convert(str(source), args.folder / "int4", "int4")
+                results["int4 convert"] = {"convert_s": seconds, "peak_rss_bytes": rss,
+                                           "disk_bytes": folder_bytes(args.folder / "int4")}
+                console.print(f"int4 convert: {seconds:.0f} s, peak RSS {rss / 1e9:.2f} GB", highlight=False)
             name, batch = RUNS[run]
             args.batch_size = batch
             result = run_contender(name, args, 0, str(scratch), None)
