@@ -186,8 +186,14 @@ def grid_steps(groups: torch.Tensor, low: torch.Tensor, spread: torch.Tensor) ->
     group's values already lie on fewer evenly spaced levels (a 4-bit source whose extremes did not
     both land on its grid's ends), whose spacing is then kept."""
     steps = torch.full_like(low, LEVELS)
-    distinct = 1 + (groups.sort(dim=-1).values.diff(dim=-1) > 0).sum(dim=-1, keepdim=True)
-    candidates = (distinct <= LEVELS + 1) & (spread > 0)
+    candidates = may_have_few_levels(groups) & (spread > 0)
+    if not candidates.any():
+        return steps
+    rows = candidates.squeeze(-1)
+    distinct = 1 + (groups[rows].sort(dim=-1).values.diff(dim=-1) > 0).sum(dim=-1)
+    few = torch.zeros_like(candidates)
+    few[rows] = (distinct <= LEVELS + 1)[:, None]
+    candidates &= few
     if not candidates.any():
         return steps
     values, lows, spreads = groups[candidates.squeeze(-1)], low[candidates], spread[candidates]
@@ -200,6 +206,17 @@ def grid_steps(groups: torch.Tensor, low: torch.Tensor, spread: torch.Tensor) ->
         found |= fits
     steps[candidates] = chosen
     return steps
+
+
+def may_have_few_levels(groups: torch.Tensor) -> torch.Tensor:
+    """Per group, whether it may hold at most LEVELS + 1 distinct values: then any LEVELS + 2 of
+    them hold two equal ones, so its first LEVELS + 2 are sorted, not all. Nearly every group of a
+    model's own weights is ruled out so, and only the rest are sorted whole (sorting every group
+    took four fifths of quantizing)."""
+    if groups.shape[-1] <= LEVELS + 1:
+        return torch.ones(*groups.shape[:-1], 1, dtype=torch.bool)
+    head = groups[..., : LEVELS + 2].sort(dim=-1).values
+    return (head.diff(dim=-1) == 0).any(dim=-1, keepdim=True)
 
 
 def quantizable_linears(model: nn.Module, layers_path: str) -> dict[str, LinearShape]:
