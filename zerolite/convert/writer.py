@@ -308,7 +308,9 @@ def write_block(fd: int, planned: BlockEntry, tensors: dict[str, torch.Tensor], 
     buffer = aligned_empty(planned.length)
     buffer.zero_()  # padding is part of the checksum
     for entry in planned.tensors:
-        tensor = tensors[entry.name].contiguous()
+        # Taken out as it is copied: the block is in memory once, not twice (a layer of a 26 GB
+        # model is 0.64 GB, and convert's peak RSS is a block or two above its imports).
+        tensor = tensors.pop(entry.name).contiguous()
         if str(tensor.dtype).removeprefix("torch.") != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise ZeroliteError(f"{entry.name} came out of the checkpoint as {tensor.dtype} {tuple(tensor.shape)}, expected {entry.dtype} {entry.shape}")
         for start, piece in tensor_pieces(entry, tensor):

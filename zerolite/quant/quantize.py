@@ -124,9 +124,11 @@ class WeightScheme:
         return {"": ((out, padded // 2), torch.uint8), SCALE_ZERO_SUFFIX: ((padded // self.group_size, out, 2), dtype)}
 
     def quantize_block(self, tensors: dict[str, torch.Tensor], targets: dict[str, LinearShape]) -> dict[str, torch.Tensor]:
-        """The block's tensors with each target module's weight quantized (others unchanged)."""
+        """The block's tensors with each target module's weight quantized (others unchanged),
+        taken out of tensors one by one: a weight's memory goes as soon as it is quantized."""
         out = {}
-        for name, tensor in tensors.items():
+        for name in list(tensors):
+            tensor = tensors.pop(name)
             module, _, leaf = name.rpartition(".")
             if leaf == "weight" and module in targets:
                 weight = tensor.t() if targets[module].transposed else tensor
