@@ -8,6 +8,7 @@ manifest is written last and atomically, so a layout without one is never taken 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -52,6 +53,7 @@ from zerolite.moe.experts import Experts, find_experts
 from zerolite.progress import byte_progress
 from zerolite.quant.quantize import LinearShape, WeightScheme, quantizable_linears
 
+PROCESS_SYMBOLS = ctypes.CDLL(None)  # the C library's among them
 JOURNAL = "convert.journal"
 LOCK = ".zerolite.lock"
 SIDE_FILE_MARGIN = 64 << 20  # config and tokenizer files, on top of the weights
@@ -289,9 +291,17 @@ def write_blocks(checkpoint, meta_model, blocks, planned, dtype, out, header, do
                 os.fsync(journal.fileno())
                 finished[block.name] = entry
                 progress.advance(entry.length)
+                give_back_freed_heap()
     finally:
         os.close(fd)
     return finished
+
+
+def give_back_freed_heap() -> None:
+    """Returns the heap a block's work freed to the system (glibc keeps it otherwise: quantizing a
+    26 GB model's layers left half a gigabyte of its temporaries resident between blocks)."""
+    if hasattr(PROCESS_SYMBOLS, "malloc_trim"):  # glibc's
+        PROCESS_SYMBOLS.malloc_trim(0)
 
 
 def allocate(fd: int, nbytes: int, out: Path) -> None:
