@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import time
 from functools import partial
 from pathlib import Path
@@ -220,6 +219,13 @@ CONTENDERS = {
 }
 
 
+def own_peak_rss() -> int:
+    """This process's peak resident memory since it started: VmHWM. Not ru_maxrss, which carries
+    the parent's resident memory at fork (a bench that had just written a model passed it on)."""
+    line = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def prompts(vocab: int, batch: int, length: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)
     return torch.randint(3, vocab, (batch, length), generator=generator)
@@ -259,7 +265,7 @@ def main() -> None:
     result = {
         "name": args.name, "ready_s": ready_s, "generate_s": generate_s, "prefill_s": clock.prefill_s,
         "step_s": steps, "tokens": tokens.tolist(),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": own_peak_rss(),
     }
     for measure in ("bytes_read", "prepare_s"):
         if measure in extras:
