@@ -33,16 +33,17 @@ from zerolite.convert.checkpoint import SAFETENSORS_DTYPES, Checkpoint, build_me
 from zerolite.convert.writer import choose_dtype
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT, IoEngine, align_up, aligned_empty
-from zerolite.layout.folder import Layout
-from zerolite.layout.store import DiskStore
 from zerolite.layout.blocks import BlockSpec, partition
+from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import DTYPES, MANIFEST, BlockEntry, Manifest, Piece, Shard, TensorEntry, dtype_name
+from zerolite.layout.store import DiskStore
 from zerolite.progress import byte_progress
 
 WASTE_LIMIT = 0.10  # of a block's own bytes: more read besides them, and converting pays
 GAP_READ_THROUGH = ALIGNMENT  # tensors closer than a page share a read (its pages are read whole anyway);
                               # farther apart (a layer's fp32 norms stored before every bf16 weight,
                               # a head whose norm lies after the layers), each run is a read of its own
+
 
 class NotInPlace(Exception):
     """The checkpoint cannot be streamed where it lies; the message says why."""
