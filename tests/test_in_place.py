@@ -147,3 +147,14 @@ def test_a_missing_shard_is_refused_in_one_line_and_inspect_shows_the_pieces(mak
     done = run(capsys, monkeypatch, "inspect", folder)
     assert done.code == 1 and done.stderr.count("\n") == 1
     assert f"model.safetensors, which the layout in place at {folder} reads, is gone" in done.stderr
+
+
+def test_the_plan_says_the_layers_stream_from_the_checkpoint_in_place(make_source, tmp_path, capsys, monkeypatch):
+    source = make_source("llama", layers=2)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": 0, "input_ids": [5, 9, 12]}\n')
+    done = run(capsys, monkeypatch, "generate", "--model", source, "--path", tmp_path / "nvme", "--device", "cpu",
+               "--offload", "nvme", "--cpu-memory", "0", "--input", prompts, "--max-new-tokens", "2")
+    assert done.code == 0, done.stderr
+    plan = next(line for line in done.stderr.splitlines() if line.startswith("plan: "))
+    assert "2 layers streamed from the checkpoint's 1 shard(s), in place" in plan, plan

@@ -30,7 +30,8 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     if plan.in_memory:
         tiers.append(f"{len(plan.in_memory)} layers in host memory ({size(plan.in_memory)}: {layer_list(plan.in_memory)})")
     if plan.on_disk:
-        tiers.append(f"{len(plan.on_disk)} layers streamed from disk ({size(plan.on_disk)} per step: {layer_list(plan.on_disk)})")
+        source = (f"the checkpoint's {len(manifest.shards)} shard(s), in place" if manifest.in_place else "disk")
+        tiers.append(f"{len(plan.on_disk)} layers streamed from {source} ({size(plan.on_disk)} per step: {layer_list(plan.on_disk)})")
     lines = ["plan: " + "; ".join(tiers)]
     routed = [name for name in plan.on_disk if name in lm.per_expert]
     per_step = manifest.nbytes(plan.on_disk)
