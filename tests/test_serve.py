@@ -371,7 +371,7 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_server_serves_on(chat_lm)
                 message = answer.json()["error"]["message"]
                 assert fragment in message, (why, message)
             assert http.get("/health").status_code == 200
-            good = http.post("/v1/completions", json={**GOOD, "model": name})
+            good = http.post("/v1/completions", json={**GOOD, "model": name, "temperature": 0})  # greedy: a draw could end early
             assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
             assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200  # no key needed there
     assert len({why for why, *_ in BAD_REQUESTS}) >= 15
