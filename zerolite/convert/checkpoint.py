@@ -32,7 +32,7 @@ from transformers.modeling_utils import LoadStateDictConfig
 from zerolite.convert.gguf import gguf_as_folder
 from zerolite.errors import ZeroliteError
 from zerolite.hf import quiet_transformers
-from zerolite.io.engine import aligned_empty
+from zerolite.io.engine import aligned_empty, pread_into
 from zerolite.layout.blocks import BlockPartition, BlockSpec
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -149,19 +149,14 @@ class StoredTensor:
     shape: tuple[int, ...]
 
     def __getitem__(self, index) -> torch.Tensor:
+        if self.dtype not in SAFETENSORS_DTYPES:
+            raise ZeroliteError(f"{self.path} stores a tensor as {self.dtype}, which zerolite does not read")
         # Memory of its own from 2 MiB on (aligned_empty): unmapped when the block is done with it.
         # From malloc, glibc's raised mmap threshold kept tensors of tens of MB on its heap, which
         # grew by a layer's worth every few layers.
         data = aligned_empty(self.nbytes)
-        with open(self.path, "rb", buffering=0) as f:
-            view, done = memoryview(data.numpy()), 0
-            while done < self.nbytes:
-                got = os.preadv(f.fileno(), [view[done:]], self.offset + done)
-                if got == 0:
-                    raise ZeroliteError(f"{self.path} ends before its tensors do: it is truncated; download it again")
-                done += got
-        if self.dtype not in SAFETENSORS_DTYPES:
-            raise ZeroliteError(f"{self.path} stores a tensor as {self.dtype}, which zerolite does not read")
+        if pread_into(self.path, data, self.offset) < self.nbytes:
+            raise ZeroliteError(f"{self.path} ends before its tensors do: it is truncated; download it again")
         return data.view(getattr(torch, SAFETENSORS_DTYPES[self.dtype])).view(self.shape)[index]
 
 

@@ -159,3 +159,17 @@ def supports_direct_io(path: os.PathLike) -> bool:
         raise ZeroliteError(f"cannot open {path}: {e.strerror}") from e
     os.close(fd)
     return True
+
+
+def pread_into(path: str | os.PathLike, dst: torch.Tensor, file_offset: int) -> int:
+    """Reads up to dst.nbytes bytes of path at file_offset into dst (contiguous, on the CPU)
+    through the page cache, for the few reads that are no whole aligned pages; returns the bytes
+    read, fewer only where the file ends."""
+    view, done = memoryview(dst.numpy()).cast("B"), 0
+    with open(path, "rb", buffering=0) as f:
+        while done < dst.nbytes:
+            got = os.preadv(f.fileno(), [view[done:]], file_offset + done)
+            if got == 0:
+                break
+            done += got
+    return done

@@ -12,14 +12,12 @@ Both hand out raw block bytes; turning them into tensors is zerolite.layout.fold
 from __future__ import annotations
 
 import contextlib
-import os
 import zlib
-from pathlib import Path
 
 import torch
 
 from zerolite.errors import ZeroliteError
-from zerolite.io.engine import ALIGNMENT, IoEngine, aligned_empty
+from zerolite.io.engine import ALIGNMENT, IoEngine, aligned_empty, pread_into
 from zerolite.layout.folder import Layout, tensor_views
 from zerolite.layout.manifest import BlockEntry
 
@@ -79,15 +77,9 @@ class DiskStore:
     def _read_tail(self, path: str, size: int, offset: int, into: torch.Tensor) -> None:
         """A shard's last bytes, which end inside an aligned page (O_DIRECT reads whole pages):
         read through the page cache, under 4 KiB once per block, and past the end zeros."""
-        with self._failures():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                data = os.pread(fd, max(min(size - offset, into.nbytes), 0), offset)
-            finally:
-                os.close(fd)
         into.zero_()
-        if data:
-            into[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        with self._failures():
+            pread_into(path, into[:max(size - offset, 0)], offset)
 
     def poll(self, ticket: int) -> float | None:
         """When the read finished (the ticket is then spent), or None while it runs; never blocks."""
@@ -108,19 +100,8 @@ class DiskStore:
         """Blocks until the read is done; returns when it finished (perf_counter clock)."""
         if ticket not in self._pieces:
             return self._wait_one(ticket)
-        running = self._pieces[ticket]
-        try:
-            while running:
-                self._finished[ticket] = max(self._finished[ticket], self._wait_one(running[0]))
-                running.pop(0)
-        except ZeroliteError:
-            for other in running[1:]:  # no read may outlive its buffer
-                with contextlib.suppress(ZeroliteError):
-                    self._wait_one(other)
-            del self._pieces[ticket], self._finished[ticket]
-            raise
-        del self._pieces[ticket]
-        return self._finished.pop(ticket)
+        running, finished = self._pieces.pop(ticket), self._finished.pop(ticket)
+        return max([finished, *self._wait_every(running, self._wait_one)])
 
     def _wait_one(self, ticket: int) -> float:
         with self._failures():
@@ -139,14 +120,21 @@ class DiskStore:
     def wait_all(self, tickets: list[int]) -> None:
         """Waits for every ticket, even after one failed (no read may outlive its buffer), then
         raises the first failure."""
-        failure = None
+        self._wait_every(tickets, self.wait)
+
+    @staticmethod
+    def _wait_every(tickets: list[int], wait) -> list[float]:
+        """wait(ticket) for each, even after one failed (no read may outlive its buffer); when
+        each finished, or the first failure."""
+        finished, failure = [], None
         for ticket in tickets:
             try:
-                self.wait(ticket)
+                finished.append(wait(ticket))
             except ZeroliteError as e:
                 failure = failure or e
         if failure is not None:
             raise failure
+        return finished
 
     def verify(self, name: str, buffer: torch.Tensor) -> None:
         """Checks the block's bytes against its checksum, once per block and run: CRC-32 runs
