@@ -30,7 +30,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from zerolite.convert.checkpoint import SAFETENSORS_DTYPES, Checkpoint, build_meta_model, safetensors_header
-from zerolite.convert.writer import choose_dtype
+from zerolite.convert.writer import choose_dtype, write_atomically
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT, IoEngine, align_up, aligned_empty
 from zerolite.layout.blocks import BlockSpec, partition
@@ -145,9 +145,7 @@ def write_in_place(manifest: Manifest, folder: Path) -> None:
     """The manifest, written atomically into folder (made if need be): the layout's only file."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        partial = folder / (MANIFEST + ".partial")
-        partial.write_text(manifest.to_json())
-        os.replace(partial, folder / MANIFEST)
+        write_atomically(folder / MANIFEST, manifest.to_json())
     except OSError as e:
         raise ZeroliteError(f"cannot write the manifest of the layout in place into {folder} ({e.strerror}): "
                             "choose another `path`") from e

@@ -34,15 +34,15 @@ def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool) -
             f"the conversion into {model} did not finish: run zerolite convert MODEL --path {model} again to complete it"
         )
     source = str(model) if model is not None else str(builtin_gguf())
-    given = path if path is not None and holds_layout(path) else None
-    if given is None and not source.endswith(".gguf"):  # a GGUF file is dequantised: there is nothing to read in place
-        converted = default_layout_path(source, dtype, root=path)
-        folder = converted.with_name(converted.name + IN_PLACE_SUFFIX)
-        try:
-            return in_place(source, folder, dtype, allow_pickle)
-        except NotInPlace as e:
-            print(f"zerolite: converting {source} once, as it cannot stream in place: {e}", file=sys.stderr)
-    folder = given or default_layout_path(source, dtype, root=path)
+    if path is not None and holds_layout(path):
+        folder = path
+    else:
+        folder = default_layout_path(source, dtype, root=path)
+        if not source.endswith(".gguf"):  # a GGUF file is dequantised: there is nothing to read in place
+            try:
+                return in_place(source, folder.with_name(folder.name + IN_PLACE_SUFFIX), dtype, allow_pickle)
+            except NotInPlace as e:
+                print(f"zerolite: converting {source} once, as it cannot stream in place: {e}", file=sys.stderr)
     convert(source, folder, dtype=dtype, allow_pickle=allow_pickle, show_progress=show_progress)
     return folder
 

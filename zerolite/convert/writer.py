@@ -367,7 +367,7 @@ def tensor_pieces(entry: TensorEntry, tensor: torch.Tensor):
     """(offset in the block, bytes) of the tensor: whole, or each expert's slice in its extent."""
     if not entry.expert_stride:
         return [(entry.offset, tensor)]
-    return [(entry.offset + expert * entry.expert_stride, tensor[expert]) for expert in range(entry.shape[0])]
+    return [(start, tensor[expert]) for expert, (start, _) in enumerate(piece_extents(entry))]
 
 
 def write_atomically(path: Path, text: str) -> None:

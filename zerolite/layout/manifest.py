@@ -198,6 +198,8 @@ class Manifest:
             raise ValueError(f"unknown quantization {self.quantization!r}")
         if len(self._blocks_by_name) != len(self.blocks):
             raise ValueError("two blocks share a name")
+        if any(not Path(shard.path).is_absolute() for shard in self.shards):
+            raise ValueError("a shard path is not absolute")
         end = 0
         for block in self.blocks:
             if not NAME.fullmatch(block.name):
@@ -227,11 +229,8 @@ class Manifest:
             if not NAME.fullmatch(alias) or target not in stored:
                 raise ValueError(f"alias {alias!r} points at {target!r}, which is not stored")
 
-
     def _validate_pieces(self, block: BlockEntry) -> None:
         """A block in place: aligned pieces of recorded shards, as many bytes as the block has."""
-        if any(not Path(shard.path).is_absolute() for shard in self.shards):
-            raise ValueError("a shard path is not absolute")
         if block.experts is not None or not block.pieces or block.length != sum(p.length for p in block.pieces):
             raise ValueError(f"block {block.name} has bad pieces")
         for piece in block.pieces:
