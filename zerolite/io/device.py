@@ -18,11 +18,11 @@ elapsed_time(other) in milliseconds.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 import ctypes
 import functools
 import mmap
 import time
+from collections.abc import Sequence
 
 import psutil
 import torch

@@ -195,11 +195,9 @@ def grid_steps(groups: torch.Tensor, low: torch.Tensor, spread: torch.Tensor) ->
     candidates = may_have_few_levels(groups) & (spread > 0)
     if not candidates.any():
         return steps
-    rows = candidates.squeeze(-1)
+    rows = candidates.squeeze(-1).clone()  # a mask apart from the one written through it
     distinct = 1 + (groups[rows].sort(dim=-1).values.diff(dim=-1) > 0).sum(dim=-1)
-    few = torch.zeros_like(candidates)
-    few[rows] = (distinct <= LEVELS + 1)[:, None]
-    candidates &= few
+    candidates[rows] = (distinct <= LEVELS + 1)[:, None]
     if not candidates.any():
         return steps
     values, lows, spreads = groups[candidates.squeeze(-1)], low[candidates], spread[candidates]
