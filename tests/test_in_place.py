@@ -14,7 +14,7 @@ import zerolite
 import zerolite.convert.resolve
 from cli_runner import run
 from helpers import greedy
-from test_executor import assert_same_generation
+from test_executor import assert_same_generation, reference_device
 from tiny_models import save_tiny_model
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
@@ -25,9 +25,9 @@ NEW_TOKENS = 6
 ARCHS = ["llama", "gpt2", "opt", "bloom", "mistral"]
 
 
-def reference(source: Path):
-    model = AutoModelForCausalLM.from_pretrained(source).eval()
-    return greedy(model, ROWS, NEW_TOKENS, logits=True)
+def reference(source: Path, device: str = "cpu"):
+    model = AutoModelForCausalLM.from_pretrained(source).eval().to(device)
+    return greedy(model, ROWS, NEW_TOKENS, logits=True, device=device)
 
 
 def files_under(folder: Path) -> dict[str, int]:
@@ -75,9 +75,8 @@ def test_blocks_across_shards_and_a_shards_unaligned_end(tmp_path):
 def test_in_place_on_a_gpu_equals_transformers(make_source, tmp_path, gpu):
     source = make_source("llama", layers=3)
     with streamed_in_place(source, tmp_path, device=gpu) as lm:
-        expected = reference(source)
-        got = greedy(lm, ROWS, NEW_TOKENS, logits=True, device="cpu" if not isinstance(gpu, str) else gpu)
-        assert_same_generation(expected, got)
+        device = reference_device(gpu)
+        assert_same_generation(reference(source, device), greedy(lm, ROWS, NEW_TOKENS, logits=True, device=device))
 
 
 def test_a_second_load_reuses_the_manifest_and_a_changed_shard_is_refused(make_source, tmp_path):
