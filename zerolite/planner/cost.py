@@ -1,0 +1,157 @@
+"""The cost model: how long a policy's prefill and decode steps take on a machine, and what memory it
+needs, in the manner of FlexGen's: each step is bound by the slowest of its streams.
+
+    prediction = predict(costs, hardware, Candidate("int4", batch_size=16, host_layers=20), Job(128, 32))
+
+Per decode step:
+  disk     = the layers read from disk x their bytes / the disk's rate
+  copy     = (GPU) the streamed layers' bytes and the offloaded K/V's / the host-to-device rate
+  compute  = each layer's weights multiplied by the batch's rows (the probe's rate for that format
+             and row count), attention over the context, and the head
+  step     = max(disk, copy, compute) with two slots or more (the ring overlaps them), their sum
+             with one
+A routed mixture of experts reads and multiplies only the experts its tokens pick: the expected
+distinct experts of a random router (ModelCosts.expected_experts), and reads some guessed experts
+no token picks (WRONG_GUESSES, from zerolite profile's early_unused_experts_per_step on the MoE
+bench model: 0.39 to 0.5 per guessed layer at batch 1). The prefill reads what a step
+reads and multiplies batch x prompt rows. Filling the host tier (and the GPU's resident layers)
+takes their bytes at the measured fill rate, once per job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerolite.io import engine
+from zerolite.planner.compute_probe import LAYER_CONTEXT
+from zerolite.planner.hardware import RUNTIME_BYTES, Hardware, at
+from zerolite.planner.model_costs import ModelCosts
+
+WRONG_GUESSES = 0.45   # experts per layer read early on a guess that no token then picks
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_tokens: int
+    new_tokens: int
+    prompts: int | None = None   # the job's prompts (None: one batch's worth)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    weights: str                 # "stored", "int8" or "int4"
+    batch_size: int
+    host_layers: int             # layers kept in host memory (on a CPU: in memory, not streamed from disk)
+    gpu_layers: int = 0          # layers resident on the GPU
+    kv_offload: float = 0.0      # share of the layers whose K/V live in host memory (GPU)
+    prefetch_depth: int = 2
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    prefill_s: float
+    decode_step_s: float
+    disk_s: float                # per decode step
+    copy_s: float
+    compute_s: float
+    bottleneck: str              # "disk", "copy" or "compute"
+    fill_s: float                # loading the host tier and resident layers, once
+    tokens_per_s: float          # a batch's new tokens over its prefill and decode
+    job_s: float                 # the whole job: fill, then its batches one after another
+    host_bytes: int
+    gpu_bytes: int
+    cpu_memory: int              # the budgets that give this policy to generate (--cpu-memory, --gpu-memory)
+    gpu_memory: int
+
+    def fits(self, hardware: Hardware) -> bool:
+        return self.host_bytes <= hardware.host_ram and (not hardware.gpu or self.gpu_bytes <= hardware.gpu_ram)
+
+
+def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Prediction:
+    fmt = costs.formats[c.weights]
+    b, layers = c.batch_size, costs.layers
+    disk_layers = layers - c.host_layers - c.gpu_layers
+    streamed_layers = layers - c.gpu_layers
+    context = job.prompt_tokens + job.new_tokens / 2  # a decode step's, on average
+    kv = b * (job.prompt_tokens + job.new_tokens) * costs.kv_bytes_per_token
+
+    def step_bytes(tokens: int, guessed: bool = True) -> float:
+        """Bytes a streamed layer moves for a forward over tokens tokens: a routed mixture's dense
+        part, the experts its tokens pick, and (where the layer before guessed them) the guessed
+        experts no token picked."""
+        if not costs.experts:
+            return fmt.layer_bytes
+        picked = costs.expected_experts(tokens)
+        wrong = min(WRONG_GUESSES, costs.experts - picked) if guessed else 0.0
+        return fmt.layer_bytes - (costs.experts - picked - wrong) * fmt.expert_bytes
+
+    def matmuls(weights: str, rows: int, positions: float) -> float:
+        seconds = hardware.seconds(weights, costs.dense_weights, rows)
+        if costs.experts:
+            picked = costs.expected_experts(rows)
+            seconds += picked * hardware.seconds("stored", costs.expert_weights, rows * costs.experts_per_token / picked)
+        return seconds + hardware.flop_seconds(4 * rows * positions * costs.attention_width)
+
+    def layer_compute(rows: int, tokens_in_context: float, prefill: bool) -> float:
+        positions = tokens_in_context / 2 if prefill else tokens_in_context  # a causal prefill attends to half, on average
+        own = matmuls(c.weights, rows, positions)
+        if hardware.layer_seconds is None:
+            return own
+        # What the probe of the model's own layer took beyond its matmuls (norms, attention's small
+        # ops, routing), at the probed batch nearest, in proportion to the rows beyond it.
+        probed_rows = min(rows, max(hardware.layer_seconds))
+        beyond = at(hardware.layer_seconds, probed_rows) - matmuls("stored", probed_rows, LAYER_CONTEXT)
+        return own + max(beyond, 0.0) * rows / probed_rows
+
+    def step_overhead(rows: int) -> float:
+        return at(hardware.step_seconds, rows) if hardware.step_seconds else 0.0
+
+    def step(rows: int, tokens_in_context: float, prefill: bool) -> tuple[float, float, float, float]:
+        moved, rate = step_bytes(rows), hardware.disk_gbps * 1e9
+        disk = disk_layers * moved / rate
+        if costs.experts and disk_layers:
+            # The first layer read from disk has no layer before it to guess its experts (nor to
+            # guess wrong): they are read once its router has picked them, with nothing to overlap.
+            disk += (step_bytes(rows, guessed=False) - moved + costs.expected_experts(rows) * fmt.expert_bytes) / rate
+        copy = 0.0
+        if hardware.gpu:
+            kv_now = c.kv_offload * b * tokens_in_context * costs.kv_bytes_per_token
+            copy = (streamed_layers * moved + (0 if prefill else kv_now)) / (hardware.h2d_gbps * 1e9)
+        compute = layers * layer_compute(rows, tokens_in_context, prefill) + step_overhead(rows)
+        compute += hardware.seconds("stored", costs.head_weights, b)
+        total = max(disk, copy, compute) if c.prefetch_depth >= 2 else disk + copy + compute
+        return total, disk, copy, compute
+
+    prefill, *_ = step(b * job.prompt_tokens, job.prompt_tokens, prefill=True)
+    decode, disk, copy, compute = step(b, context, prefill=False)
+    bottleneck = max((disk, "disk"), (copy, "copy"), (compute, "compute"))[1]
+
+    host_tier = c.host_layers * engine.host_bytes(fmt.layer_bytes)  # as Plan.make counts a layer held in host memory
+    ring = c.prefetch_depth * fmt.layer_bytes if streamed_layers else 0
+    activations = b * job.prompt_tokens * (4 * costs.hidden_size + 2 * costs.intermediate_size) * costs.dtype.itemsize
+    activations += 2 * b * costs.vocab_size * 4
+    if hardware.gpu:
+        dense_layer = costs.formats["stored"].layer_bytes
+        gpu_bytes = int(fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) + ring + (1 - c.kv_offload) * kv
+                        + activations + (dense_layer if c.weights != "stored" else 0))
+        host_bytes = int(host_tier + ring + c.kv_offload * kv + RUNTIME_BYTES)
+        fill = host_tier / (hardware.fill_gbps * 1e9) + c.gpu_layers * fmt.layer_bytes / (min(hardware.disk_gbps, hardware.h2d_gbps) * 1e9)
+    else:
+        gpu_bytes = 0
+        host_bytes = int(fmt.always_bytes + host_tier + (ring if disk_layers else 0) + kv + activations + RUNTIME_BYTES)
+        fill = host_tier / (hardware.fill_gbps * 1e9)
+    batch_s = prefill + (job.new_tokens - 1) * decode
+    rounds = -(-(job.prompts or b) // b)
+    return Prediction(
+        candidate=c, prefill_s=prefill, decode_step_s=decode, disk_s=disk, copy_s=copy, compute_s=compute,
+        bottleneck=bottleneck, fill_s=fill, tokens_per_s=b * job.new_tokens / batch_s, job_s=fill + rounds * batch_s,
+        host_bytes=host_bytes, gpu_bytes=gpu_bytes, cpu_memory=host_tier,
+        gpu_memory=fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) if hardware.gpu else 0,
+    )
+
+
+def on_gpu(costs: ModelCosts, weights: str) -> int:
+    """What a layer resident on a GPU takes: a quantized one is kept dequantised beside its bytes."""
+    fmt = costs.formats[weights]
+    return fmt.layer_bytes + (costs.formats["stored"].layer_bytes if weights != "stored" else 0)

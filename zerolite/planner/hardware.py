@@ -1,0 +1,170 @@
+"""The machine a plan is for: its memory, its links' speeds and its compute, each with where it came
+from (measured here and recorded, given as a flag, or taken from this machine now).
+
+    hardware = Hardware.here(device="cpu", layout_folder=..., dtype=torch.bfloat16)
+    hardware = Hardware.described(gpu_ram=..., host_ram=..., disk_gbps=5.6, h2d_gbps=25, gpu_tflops=77)
+
+A machine described by flags has a GPU when it is given GPU memory or TFLOPS; its compute is then
+the FLOPs at that rate (a GPU's matmuls at a batch's rows are far from memory-bound at the sizes
+offloading runs at). This machine's compute is the probe's (zerolite.planner.compute_probe).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from zerolite.errors import ZeroliteError
+from zerolite.planner import measurements
+from zerolite.planner.compute_probe import PROBE_LAYER_MAX_BYTES, probe_compute, probe_layer
+
+BANDWIDTH_UNITS = {"gb/s": 1.0, "mb/s": 1e-3, "tb/s": 1e3, "gib/s": 2**30 / 1e9, "mib/s": 2**20 / 1e9}
+FLOPS_UNITS = {"tflops": 1.0, "tflop/s": 1.0, "gflops": 1e-3, "gflop/s": 1e-3, "pflops": 1e3, "pflop/s": 1e3}
+RUNTIME_BYTES = 1_500_000_000   # the process itself: torch, transformers, the engine's queues
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: bool
+    gpu_ram: int                      # bytes a run may use on the GPU (0 without one)
+    host_ram: int                     # bytes a run may use in host memory
+    disk_gbps: float                  # the layout's file system, O_DIRECT through the engine
+    fill_gbps: float                  # loading layers into host memory, first touch of its pages included
+    h2d_gbps: float | None            # pinned host memory to the GPU
+    gpu_tflops: float | None          # dense matmul rate of a described GPU
+    compute: dict[str, dict[int, float]] | None = None  # probed: seconds per weight by format and rows
+    layer_seconds: dict[int, float] | None = None   # probed for the model planned: one decoder layer's decode
+    step_seconds: dict[int, float] | None = None    # step by batch, and the step's cost besides layers and head
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def seconds(self, weights: str, elements: float, rows: float) -> float:
+        """Time to multiply rows rows by elements weights stored in the format weights."""
+        if elements <= 0 or rows <= 0:
+            return 0.0
+        if self.compute is None:
+            return 2 * elements * rows / (self.gpu_tflops * 1e12)
+        return elements * at(self.compute[weights], rows)
+
+    def flop_seconds(self, flops: float) -> float:
+        """Time for flops of attention: at the dense large-batch rate."""
+        if self.compute is None:
+            return flops / (self.gpu_tflops * 1e12)
+        rows, per_weight = max(self.compute["stored"].items())
+        return flops * per_weight / (2 * rows)
+
+    @classmethod
+    def here(cls, device: str, layout_folder, dtype: torch.dtype, measure_disk=None, probe: bool = True,
+             disk_gbps: float | None = None, model=None) -> Hardware:
+        """This machine: memory free now, the disk's rate as last recorded for that file system
+        (else measured now, through measure_disk(folder) -> GB/s, unless given), copies and compute
+        as recorded (else measured now; compute only with probe)."""
+        sources = {}
+        gpu = device.startswith("cuda")
+        host_ram = psutil.virtual_memory().available
+        sources["host_ram"] = "free now"
+        gpu_ram = torch.cuda.mem_get_info(torch.device(device))[0] if gpu else 0
+        if gpu:
+            sources["gpu_ram"] = "free now"
+        fs = measurements.file_system(layout_folder)
+        disk = disk_gbps or measurements.value(fs, "disk_gbps")
+        if disk_gbps is not None:
+            sources["disk_gbps"] = "given"
+        elif disk is None and measure_disk is not None:
+            disk = measure_disk(layout_folder)
+            measurements.record(fs, disk, "disk_gbps")
+            sources["disk_gbps"] = "measured now"
+        elif disk is not None:
+            sources["disk_gbps"] = f"recorded ({measurements.path()})"
+        if disk is None:
+            raise ZeroliteError("no disk rate is recorded for this file system: run zerolite profile once, or give --disk-gbps")
+        fill = measurements.value("fill_gbps")
+        sources["fill_gbps"] = "recorded" if fill is not None else "assumed: the disk's rate"
+        h2d = measurements.value("h2d_gbps") if gpu else None
+        if gpu and h2d is None:
+            from zerolite.io.device import resolve
+            from zerolite.profile.machine import measure_host_to_device
+            h2d = measure_host_to_device(resolve(device))
+            measurements.record("h2d_gbps", h2d)
+        key = measurements.compute_key(device, dtype)
+        compute = measurements.value(key, "compute") if probe else None
+        if compute is None and probe:
+            compute = probe_compute(device, dtype)
+            measurements.record(key, compute, "compute")
+            sources["compute"] = "measured now"
+        elif probe:
+            sources["compute"] = "recorded"
+        if compute is not None:
+            compute = {weights: {int(rows): s for rows, s in rates.items()} for weights, rates in compute.items()}
+        layer = step = None
+        if probe and model is not None:  # (config, a layer's bytes): the model's own layer timed, if not too large
+            config, layer_bytes = model
+            layer_key = f"{key} | {config_digest(config)}"
+            probed = measurements.value(layer_key, "layers")
+            if probed is None and layer_bytes <= PROBE_LAYER_MAX_BYTES:
+                probed = probe_layer(config, dtype, device)
+                measurements.record(layer_key, probed, "layers")
+            if probed is not None:
+                layer, step = ({int(rows): s for rows, s in probed[part].items()} for part in ("layer", "step"))
+                sources["layer"] = "probed: the model's own layer"
+        return cls(gpu, gpu_ram, host_ram, disk, fill or disk, h2d, None, compute, layer, step, sources)
+
+    def with_flags(self, **given) -> Hardware:
+        """This machine, any figure given as a flag taking the measured one's place."""
+        from dataclasses import replace
+
+        given = {k: v for k, v in given.items() if v is not None}
+        sources = {**self.sources, **{k: "given" for k in given}}
+        if "disk_gbps" in given and "fill_gbps" not in given:  # another disk: this one's fill rate says nothing of it
+            given["fill_gbps"] = given["disk_gbps"]
+            sources["fill_gbps"] = "assumed: the disk's rate"
+        if "gpu_tflops" in given:  # another GPU: its FLOPs, not this machine's probes
+            given.update(compute=None, layer_seconds=None, step_seconds=None)
+        return replace(self, **given, sources=sources)
+
+
+def at(points: dict[int, float], rows: float) -> float:
+    """A probed figure at rows: log-linear between the probed row counts, in proportion past the last."""
+    ordered = sorted(points.items())
+    if rows >= ordered[-1][0]:
+        last_rows, last = ordered[-1]
+        return last * rows / last_rows
+    if rows <= ordered[0][0]:
+        return ordered[0][1]
+    below = max(p for p in ordered if p[0] <= rows)
+    above = min(p for p in ordered if p[0] >= rows)
+    if above[0] == below[0] or below[1] <= 0 or above[1] <= 0:
+        return below[1]
+    t = (math.log(rows) - math.log(below[0])) / (math.log(above[0]) - math.log(below[0]))
+    return math.exp(math.log(below[1]) * (1 - t) + math.log(above[1]) * t)
+
+
+def parse_bandwidth(text: str, flag: str) -> float:
+    """"5.6GB/s", "800MB/s" or "2GiB/s" in GB/s (decimal); a bare number is refused: units differ by 1000x."""
+    return parse_rate(text, flag, BANDWIDTH_UNITS, "5.6GB/s or 800MB/s")
+
+
+def parse_flops(text: str, flag: str) -> float:
+    """"77TFLOPS" or "500GFLOPS" in TFLOP/s."""
+    return parse_rate(text, flag, FLOPS_UNITS, "77TFLOPS or 500GFLOPS")
+
+
+def parse_rate(text: str, flag: str, units: dict[str, float], example: str) -> float:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z/]*)\s*", text)
+    if not match or match[2].lower() not in units:
+        what = "has no unit" if match and not match[2] else "is not a rate"
+        raise ZeroliteError(f"{flag} {text!r} {what}: write it with one, as in {example}")
+    rate = float(match[1]) * units[match[2].lower()]
+    if rate <= 0:
+        raise ZeroliteError(f"{flag} must be above zero, got {text!r}")
+    return rate
+
+
+def config_digest(config) -> str:
+    """A model's shape, for keeping what was probed of it."""
+    import hashlib
+
+    return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]

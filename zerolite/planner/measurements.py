@@ -1,0 +1,85 @@
+"""What this machine was measured to do, kept for the planner: the disk's read rate (per file
+system), host-to-device copies, how fast the host tier fills from disk, and the compute probe.
+
+    record("h2d_gbps", 24.7)                 # zerolite profile, after measuring
+    recorded()["disk_gbps"]["2049"]          # a file system's, by st_dev
+
+One JSON file in zerolite's cache (zerolite.convert.paths.cache_dir), rewritten whole and atomically
+at every record: several runs may record at once, and the last writer wins, which is what a
+measurement wants. Compute is recorded per CPU (or GPU), dtype and torch version, as kernels differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from zerolite.convert.paths import cache_dir
+
+FILE = "machine.json"
+
+
+def path() -> Path:
+    return cache_dir() / FILE
+
+
+def recorded() -> dict:
+    try:
+        return json.loads(path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record(key: str, value, under: str | None = None) -> None:
+    """Sets key (within the map under, where given) to value, with the time it was measured."""
+    from zerolite.convert.writer import write_atomically
+
+    data = recorded()
+    entry = {"value": value, "measured": time.strftime("%Y-%m-%d %H:%M")}
+    if under is None:
+        data[key] = entry
+    else:
+        data.setdefault(under, {})[key] = entry
+    try:
+        path().parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path(), json.dumps(data, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only cache costs the next plan a measurement, nothing else
+
+
+def value(key: str, under: str | None = None):
+    data = recorded()
+    entry = (data.get(under, {}) if under else data).get(key)
+    return entry["value"] if entry else None
+
+
+def file_system(folder: str | os.PathLike) -> str:
+    """The key a disk's rate is kept under: the device number of the file system holding folder."""
+    target = Path(folder).expanduser()
+    while not target.exists():
+        target = target.parent
+    return str(target.stat().st_dev)
+
+
+def compute_key(device: str, dtype: torch.dtype) -> str:
+    """Compute rates are kept per processor, dtype and torch version."""
+    if device.startswith("cuda"):
+        processor = torch.cuda.get_device_name(torch.device(device))
+    else:
+        processor = cpu_model() or platform.processor()
+    return f"{processor} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')} | torch {torch.__version__}"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

@@ -1,0 +1,120 @@
+"""What one pass over a model costs, from its config alone: the bytes each block stores in each
+weight format, the weights a token multiplies, and the K/V cache a token keeps.
+
+    costs = ModelCosts.from_config(AutoConfig.from_pretrained("bigscience/bloom"))
+    costs.formats["int4"].layer_bytes     # one decoder layer, as convert --weights int4 would store it
+
+Built on a meta model (zerolite.convert.checkpoint.build_meta_model), with the same block partition
+and the same quantization shapes convert uses, so the bytes are the layout's, not an estimate. A
+mixture of experts' expert tensors (transformers keeps each layer's experts fused, [experts, ...])
+are counted apart: a routed step reads and multiplies only the experts its tokens pick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from zerolite.convert.checkpoint import build_meta_model
+from zerolite.errors import ZeroliteError
+from zerolite.io.engine import ALIGNMENT
+from zerolite.layout.blocks import partition, stored_tensors
+from zerolite.quant.quantize import WeightScheme, quantizable_linears
+
+WEIGHT_FORMATS = ("stored", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class FormatCosts:
+    """One weight format's bytes: what a layer, the blocks always resident, and an expert store."""
+    layer_bytes: int        # the widest decoder layer, 4 KiB-aligned as a layout stores it
+    always_bytes: int       # the embeddings, final norm and head (never quantized)
+    expert_bytes: int       # one expert of one layer (0 for a dense model)
+    bytes_per_weight: float  # a quantized linear weight's bytes per element, scales included
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    name: str
+    dtype: torch.dtype
+    layers: int
+    formats: dict[str, FormatCosts]   # "stored" (the checkpoint's precision), and "int8", "int4" where they apply
+    dense_weights: int                # weights a token multiplies in one layer, experts left out
+    expert_weights: int               # weights of one expert of one layer
+    experts: int                      # experts per layer (0: dense)
+    experts_per_token: int
+    head_weights: int                 # the output projection's, multiplied once per token
+    attention_width: int              # query heads x head width: attention's cost per position of context
+    kv_bytes_per_token: int           # K and V of every layer, for one position of one sequence
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, dtype: torch.dtype | None = None, name: str = "") -> ModelCosts:
+        text = config.get_text_config()
+        dtype = dtype or getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        model = build_meta_model(config, dtype)
+        parts = partition(model)
+        tensors = stored_tensors(model)
+        targets = quantizable_linears(model, parts.layers_path)
+        experts = int(getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0)
+        layer_blocks = [b for b in parts.blocks if b.name.startswith("layers.")]
+        always = sum(aligned(tensors[n].nbytes) for b in parts.blocks if b not in layer_blocks for n in b.tensor_names)
+
+        def is_expert(name: str) -> bool:
+            return experts > 1 and ".experts." in name and tensors[name].dim() >= 3 and tensors[name].shape[0] == experts
+
+        widest = max(layer_blocks, key=lambda b: sum(tensors[n].nbytes for n in b.tensor_names))
+        layer = {n: tensors[n] for n in widest.tensor_names}
+        expert_names = [n for n in layer if is_expert(n)]
+        expert_weights = sum(layer[n].numel() for n in expert_names) // max(experts, 1)
+        linear_weights = sum(targets[n.removesuffix(".weight")].out_features * targets[n.removesuffix(".weight")].in_features
+                             for n in layer if n.removesuffix(".weight") in targets and n.endswith(".weight"))
+        formats = {"stored": FormatCosts(aligned(sum(t.nbytes for t in layer.values())), always,
+                                         sum(layer[n].nbytes for n in expert_names) // max(experts, 1), dtype.itemsize)}
+        for weights in ("int8", "int4"):
+            scheme = WeightScheme.parse(weights)
+            try:
+                scheme.check({p: s for p, s in targets.items() if p.startswith(f"{parts.layers_path}.{widest.name[7:]}.")})
+            except ZeroliteError:
+                continue
+            stored = scheme.meta_tensors(layer, targets)
+            formats[weights] = FormatCosts(aligned(sum(t.nbytes for t in stored.values())), always,
+                                           formats["stored"].expert_bytes,
+                                           quantized_bytes_per_weight(layer, stored, linear_weights, dtype))
+        heads = int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        vocab = int(text.vocab_size)
+        return cls(
+            name=name or getattr(config, "_name_or_path", "") or config.model_type, dtype=dtype, layers=len(layer_blocks),
+            formats=formats, dense_weights=linear_weights, expert_weights=expert_weights,
+            experts=experts if expert_names else 0, experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
+            head_weights=vocab * int(text.hidden_size), attention_width=heads * head_dim,
+            kv_bytes_per_token=2 * len(layer_blocks) * kv_heads * head_dim * dtype.itemsize,
+            hidden_size=int(text.hidden_size), intermediate_size=int(getattr(text, "intermediate_size", 0) or 4 * text.hidden_size),
+            vocab_size=vocab,
+        )
+
+    def expected_experts(self, tokens: int) -> float:
+        """Distinct experts a layer's router picks for tokens tokens, each picking experts_per_token
+        of experts at random: the experts a routed step reads and multiplies."""
+        if not self.experts:
+            return 0.0
+        return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
+
+
+def quantized_bytes_per_weight(layer: dict, stored: dict, linear_weights: int, dtype: torch.dtype) -> float:
+    """Bytes per linear weight in a quantized layer: the quantized tensors and their scales over
+    the weights they stand for."""
+    changed = {n for n in stored if n not in layer or stored[n].dtype != layer[n].dtype or stored[n].shape != layer[n].shape}
+    return sum(stored[n].nbytes for n in changed) / max(linear_weights, 1)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT

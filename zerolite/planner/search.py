@@ -1,0 +1,133 @@
+"""The search: every policy worth trying for a model on a machine, predicted, and the best kept.
+
+    choice = search(costs, hardware, job, Pins(weights="int4"))
+    choice.best.tokens_per_s
+
+It tries the weight formats, batch sizes (powers of two, and the pinned one), K/V offload shares
+(on a GPU), prefetch depths, and how many layers to keep on the GPU and in host memory (as many as
+fit, none, and steps between: holding layers costs fill time that a short job may not win back).
+Whatever is pinned (the flags generate takes) is held to. Throughput ranks candidates by the job's
+tokens per second, fill included; latency (batch 1) by the job's time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zerolite.errors import ZeroliteError
+from zerolite.io.engine import host_bytes
+from zerolite.planner.cost import Candidate, Job, Prediction, on_gpu, predict
+from zerolite.planner.hardware import Hardware
+from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
+
+BATCH_SIZES = tuple(2**k for k in range(11))   # 1 .. 1024
+KV_OFFLOADS = (0.0, 0.25, 0.5, 0.75, 1.0)
+PREFETCH_DEPTHS = (2, 3, 4)
+TIER_STEPS = 8                                  # host-tier sizes tried between none and all that fit
+
+
+@dataclass(frozen=True)
+class Pins:
+    """The choices the user fixed, as generate's flags: None leaves it to the search."""
+    weights: str | None = None
+    batch_size: int | None = None
+    kv_offload: float | None = None
+    cpu_memory: int | None = None     # bytes of layers in host memory
+    gpu_memory: int | None = None     # bytes resident on the GPU
+    prefetch_depth: int | None = None
+    offload: str | None = None        # "nvme", "cpu" or "none"
+
+
+@dataclass
+class Choice:
+    best: Prediction
+    tried: list[Prediction] = field(default_factory=list)   # every candidate that fits
+
+
+def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(), latency: bool = False) -> Choice:
+    formats = [pins.weights] if pins.weights else [w for w in WEIGHT_FORMATS if w in costs.formats]
+    if pins.weights and pins.weights not in costs.formats:
+        raise ZeroliteError(f"--weights {pins.weights} cannot store this model's layers (int4 needs output widths in multiples "
+                            "of its row block): choose stored or int8")
+    batches = [pins.batch_size] if pins.batch_size else ([1] if latency else BATCH_SIZES)
+    offloads = [pins.kv_offload] if pins.kv_offload is not None else (KV_OFFLOADS if hardware.gpu else [0.0])
+    depths = [pins.prefetch_depth] if pins.prefetch_depth else PREFETCH_DEPTHS
+    every = []
+    for weights in formats:
+        for batch in batches:
+            for kv_offload in offloads:
+                for depth in depths:
+                    for gpu_layers, host_layers in tiers(costs, hardware, weights, pins):
+                        candidate = Candidate(weights, batch, host_layers, gpu_layers, kv_offload, depth)
+                        every.append(predict(costs, hardware, candidate, job))
+    tried = [p for p in every if p.fits(hardware)]
+    if not tried:
+        raise ZeroliteError(cannot_fit(costs, hardware, job, formats) if pins == Pins() else pinned_too_big(every, hardware))
+
+    def rank(p: Prediction):
+        c = p.candidate
+        tokens = (job.prompts or c.batch_size) * job.new_tokens
+        speed = -p.job_s if latency else tokens / p.job_s
+        # Among equals, the fewest bytes held and the shallowest ring.
+        return (round(speed, 6), -p.host_bytes - p.gpu_bytes, -c.prefetch_depth)
+
+    return Choice(max(tried, key=rank), tried)
+
+
+def tiers(costs: ModelCosts, hardware: Hardware, weights: str, pins: Pins) -> list[tuple[int, int]]:
+    """(GPU layers, host layers) to try: the pinned budgets as generate's plan takes them, else from
+    none to every layer, in steps (the memory check drops what does not fit)."""
+    fmt, layers = costs.formats[weights], costs.layers
+    if pins.offload == "none":
+        return [(layers, 0)] if hardware.gpu else [(0, layers)]
+    if hardware.gpu:
+        on_device = on_gpu(costs, weights)
+        if pins.gpu_memory is not None:
+            gpu_options = [min(max(pins.gpu_memory - fmt.always_bytes, 0) // on_device, layers)]
+        else:
+            gpu_options = steps(layers)
+    else:
+        gpu_options = [0]
+    options = []
+    for gpu_layers in gpu_options:
+        rest = layers - gpu_layers
+        if pins.offload == "cpu":
+            hosts = [rest]
+        elif pins.cpu_memory is not None:
+            hosts = [min(pins.cpu_memory // host_bytes(fmt.layer_bytes), rest)]
+        else:
+            hosts = sorted({min(h, rest) for h in steps(layers)})
+        options += [(gpu_layers, host) for host in hosts]
+    return options
+
+
+def steps(layers: int) -> list[int]:
+    return sorted({round(layers * k / TIER_STEPS) for k in range(TIER_STEPS + 1)})
+
+
+def pinned_too_big(every: list[Prediction], hardware: Hardware) -> str:
+    """What the smallest policy the pins allow needs, against what the machine has."""
+    least = min(every, key=lambda p: (max(p.host_bytes - hardware.host_ram, 0) + max(p.gpu_bytes - hardware.gpu_ram, 0)))
+    c = least.candidate
+    needs = [f"{least.host_bytes / 1e9:.1f} GB of host memory ({hardware.host_ram / 1e9:.1f} GB is free)"]
+    if hardware.gpu:
+        needs.append(f"{least.gpu_bytes / 1e9:.1f} GB on the GPU ({hardware.gpu_ram / 1e9:.1f} GB)")
+    return (f"no policy the given flags allow fits: the smallest ({c.weights} weights, batch {c.batch_size}, "
+            f"{c.host_layers} layers in host memory) needs {' and '.join(needs)}: lower --batch-size, --cpu-memory or "
+            "--gpu-memory, or leave them to the search")
+
+
+def cannot_fit(costs: ModelCosts, hardware: Hardware, job: Job, formats: list[str]) -> str:
+    """What would have to change for the smallest policy (batch 1, every layer streamed, its K/V
+    offloaded) to fit."""
+    smallest = min(formats, key=lambda w: costs.formats[w].layer_bytes)
+    least = predict(costs, hardware, Candidate(smallest, 1, 0, 0, 1.0 if hardware.gpu else 0.0, 1), job)
+    where = []
+    if hardware.gpu and least.gpu_bytes > hardware.gpu_ram:
+        where.append(f"a GPU with {least.gpu_bytes / 1e9:.1f} GB free (it has {hardware.gpu_ram / 1e9:.1f} GB)")
+    if least.host_bytes > hardware.host_ram:
+        where.append(f"{least.host_bytes / 1e9:.1f} GB of host memory ({hardware.host_ram / 1e9:.1f} GB is free)")
+    quantize = "" if smallest == "int4" or "int4" not in costs.formats else ", or --weights int4"
+    return (f"{costs.name} cannot run here even at batch 1 with every layer streamed ({smallest} weights, "
+            f"{costs.formats[smallest].layer_bytes / 1e9:.2f} GB a layer): it needs {' and '.join(where) or 'more memory'}"
+            f"; shorten --prompt-tokens/--new-tokens{quantize}")
