@@ -13,6 +13,7 @@ from typer.exceptions import TyperException
 from zerolite.cli import (  # noqa: F401 (each registers its commands with app)
     convert_commands,
     generate_command,
+    plan_command,
     profile_command,
     serve_command,
 )

@@ -13,6 +13,7 @@ from zerolite.cli.plan_summary import show_plan
 from zerolite.cli.ranks import start_world
 from zerolite.cli.reports import rank_totals, show_rank_reports, show_report
 from zerolite.errors import ZeroliteError
+from zerolite.planner import measurements
 
 
 @app.command()
@@ -39,6 +40,7 @@ def profile(
         from zerolite.profile.machine import measure_disk
 
         figures = measure_disk(disk)
+        measurements.record(measurements.file_system(disk), figures["read_gbps"], "disk_gbps")
         if as_json:
             typer.echo(json.dumps(figures))
         else:
@@ -59,6 +61,8 @@ def profile(
         if not as_json and world.leads:
             show_plan(lm, batch_size, prompt_tokens + new_tokens)
         report = profile_run(lm, timeline, batch_size, new_tokens, prompt_tokens)
+        if world.leads:
+            record_machine(lm, report)
         every = world.together(lambda: report.to_dict(), "profiling")
     if not world.leads:
         return
@@ -77,3 +81,12 @@ def profile(
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         show_report(report)
+
+
+def record_machine(lm, report) -> None:
+    """What the run measured of the machine, for zerolite plan: the read-only pass's rate on the
+    file system the layers streamed from, and host-to-device copies."""
+    if report.read_gbps:
+        measurements.record(measurements.file_system(lm.layout.read_paths[0]), report.read_gbps, "disk_gbps")
+    if report.h2d_gbps:
+        measurements.record("h2d_gbps", report.h2d_gbps)

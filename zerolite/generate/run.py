@@ -82,6 +82,7 @@ class RunStats:
             "decode_s": round(self.decode_s, 4),
             "new_tokens": self.new_tokens,
             "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s > 0 else None,
+            "decode_steps": self.decode_steps,
             # above 1 per row only with a draft: the tokens each pass over the weights made
             "tokens_per_pass": round(self.decode_tokens / self.decode_steps, 3) if self.decode_steps else None,
             "bytes_read": self.bytes_read,

@@ -36,6 +36,7 @@ from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.moe.cache import ExpertCache
 from zerolite.moe.counts import ExpertCounts
 from zerolite.moe.routing import ExpertRouting, streamed_per_expert
+from zerolite.planner import measurements
 from zerolite.quant.linear import dequantize_resident, keeps_dense
 from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
@@ -48,6 +49,7 @@ from zerolite.runtime.slots import Slots
 from zerolite.runtime.timeline import NO_TIMELINE
 
 GENERATION_CONFIG = "generation_config.json"
+FILL_RECORDED_BYTES = 256 << 20  # a host tier this large (or more) records how fast it filled
 
 
 class Executor:
@@ -195,7 +197,12 @@ def host_memory(disk: DiskStore, plan: Plan, device: Device, world: World, progr
     (host memory is the device's there)."""
     if world.local_size > 1:
         return NodeCopy.load(disk, list(plan.in_host(device.separate_memory)), device, world, progress)
-    return MemoryStore.load(disk, list(plan.in_memory), device.pinned_empty, progress)
+    started = time.perf_counter()
+    store = MemoryStore.load(disk, list(plan.in_memory), device.pinned_empty, progress)
+    nbytes = sum(disk.entry(name).length for name in plan.in_memory)
+    if nbytes >= FILL_RECORDED_BYTES:  # what filling host memory costs here, for zerolite plan
+        measurements.record("fill_gbps", round(nbytes / (time.perf_counter() - started) / 1e9, 3))
+    return store
 
 
 def build_model(layout: Layout, device: torch.device) -> nn.Module:

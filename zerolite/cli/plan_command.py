@@ -1,0 +1,222 @@
+"""zerolite plan: the policy to run a model with on a machine, chosen and predicted before any weight is read."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from zerolite.cli.app import app
+from zerolite.cli.options import CpuMemory, GpuMemory, KvOffload, LayoutPath, Model, parse_batch_size
+from zerolite.errors import ZeroliteError
+
+
+
+def rate_option(flag: str, help: str):
+    return Annotated[str | None, typer.Option(flag, help=help, show_default=False)]
+
+
+@app.command()
+def plan(
+    model: Model = None,
+    path: LayoutPath = None,
+    device: Annotated[str, typer.Option(help="Plan for this machine's cuda or cpu (auto: cuda when available); "
+                                        "a machine described by the flags below has a GPU when given --gpu-ram or --gpu-tflops.")] = "auto",
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32: the precision stored weights run in (default: the config's).")] = None,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Tokens in each prompt.")] = 128,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
+    prompts: Annotated[int | None, typer.Option(min=1, help="Prompts in the job (default: one batch's): filling memory is paid once per job.", show_default=False)] = None,
+    latency: Annotated[bool, typer.Option("--latency", help="Optimise each prompt's time, not tokens per second (batch 1).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the chosen plan as one JSON object.")] = False,
+    batch_size: Annotated[str, typer.Option(help="Pin the batch size, or auto to search it.")] = "auto",
+    weights: Annotated[str | None, typer.Option(help="Pin the weight format: stored (the checkpoint's precision), int8 or int4.", show_default=False)] = None,
+    offload: Annotated[str | None, typer.Option(help="Pin where layers live: nvme (host memory, then disk), cpu (all in host memory) or none (all resident).", show_default=False)] = None,
+    kv_offload: Annotated[float | None, typer.Option("--kv-offload", help="Pin the share of layers whose K/V cache lives in host memory (GPU).", show_default=False)] = None,
+    prefetch_depth: Annotated[int | None, typer.Option(min=1, help="Pin the slots in the ring.", show_default=False)] = None,
+    cpu_memory: CpuMemory = None,
+    gpu_memory: GpuMemory = None,
+    host_ram: Annotated[str | None, typer.Option("--host-ram", help="Describe another machine: its host memory, as 252GB.", show_default=False)] = None,
+    gpu_ram: Annotated[str | None, typer.Option("--gpu-ram", help="Describe another machine: its GPU's memory, as 48GB.", show_default=False)] = None,
+    disk_gbps: rate_option("--disk-gbps", "The disk's read rate, as 5.6GB/s (default: as zerolite profile last measured it here).") = None,
+    h2d_gbps: rate_option("--h2d-gbps", "Host-to-GPU copies, as 25GB/s (default: measured here).") = None,
+    gpu_tflops: rate_option("--gpu-tflops", "The GPU's dense matmul rate in its dtype, as 77TFLOPS (default: this machine's, measured).") = None,
+) -> None:
+    """Choose the batch size, weight format, tiers, K/V offload and prefetch depth for the most tokens/s
+    (or, with --latency, the least time per prompt), and predict prefill, decode step and what limits it.
+    Works from the model's config alone; any choice given as a flag is pinned, as generate takes it."""
+    import torch
+
+    from zerolite.planner.cost import Job
+    from zerolite.planner.hardware import Hardware, parse_bandwidth, parse_flops
+    from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
+    from zerolite.planner.search import Pins, search
+    from zerolite.runtime.policy import parse_size
+
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ZeroliteError(f"unknown --weights {weights!r}: choose stored, int8 or int4")
+    if offload is not None and offload not in ("nvme", "cpu", "none"):
+        raise ZeroliteError(f"unknown --offload {offload!r}: choose nvme, cpu or none")
+    if kv_offload is not None and not 0 <= kv_offload <= 1:
+        raise ZeroliteError(f"--kv-offload is a share of the layers: give a number from 0 to 1, not {kv_offload}")
+    flags = {
+        "disk_gbps": parse_bandwidth(disk_gbps, "--disk-gbps") if disk_gbps else None,
+        "h2d_gbps": parse_bandwidth(h2d_gbps, "--h2d-gbps") if h2d_gbps else None,
+        "gpu_tflops": parse_flops(gpu_tflops, "--gpu-tflops") if gpu_tflops else None,
+        "host_ram": parse_size(host_ram, "--host-ram") if host_ram else None,
+        "gpu_ram": parse_size(gpu_ram, "--gpu-ram") if gpu_ram else None,
+    }
+    config, run_dtype, layout_weights, folder, name = model_config(model, dtype, path)
+    if layout_weights is not None and weights not in (None, layout_weights):
+        raise ZeroliteError(f"{model} is a layout of {layout_weights} weights: leave out --weights, or plan its "
+                            "checkpoint to choose the format")
+    described_gpu = flags["gpu_tflops"] is not None or flags["gpu_ram"] is not None
+    here = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if described_gpu and (flags["gpu_ram"] is None or flags["h2d_gbps"] is None or flags["gpu_tflops"] is None):
+        raise ZeroliteError("a GPU other than this machine's needs --gpu-ram, --h2d-gbps and --gpu-tflops, as in "
+                            "--gpu-ram 48GB --h2d-gbps 25GB/s --gpu-tflops 77TFLOPS")
+    costs = ModelCosts.from_config(config, run_dtype, name)
+    hardware = Hardware.here(here if not described_gpu else "cpu", folder, run_dtype, measure_disk=measure_disk_rate,
+                             probe=not described_gpu, disk_gbps=flags["disk_gbps"],
+                             model=(config, costs.formats["stored"].layer_bytes))
+    if described_gpu:
+        hardware = hardware.with_flags(gpu=True, **flags)
+    else:
+        hardware = hardware.with_flags(**flags)
+    pins = Pins(weights=weights or layout_weights, batch_size=parse_batch_size(batch_size), kv_offload=kv_offload,
+                cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
+                gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
+                prefetch_depth=prefetch_depth, offload=offload)
+    job = Job(prompt_tokens, new_tokens, prompts)
+    choice = search(costs, hardware, job, pins, latency=latency or pins.batch_size == 1)
+    best = choice.best
+    command = generate_command(model, best, costs)
+    if as_json:
+        typer.echo(json.dumps(plan_dict(best, costs, hardware, command), indent=2))
+        return
+    show(costs, hardware, job, choice, command)
+
+
+def model_config(model: str | None, dtype: str | None, path: Path | None):
+    """(config, the dtype stored weights run in, the weight format where model is a layout (it is
+    made), a folder on the disk the layers would stream from, a name)."""
+    from transformers import AutoConfig
+
+    from zerolite.convert.checkpoint import resolve_model_folder
+    from zerolite.convert.paths import builtin_gguf
+    from zerolite.convert.writer import choose_dtype
+    from zerolite.layout.folder import Layout
+    from zerolite.layout.manifest import DTYPES, MANIFEST
+
+    source = Path(model).expanduser() if model is not None else builtin_gguf()
+    if (source / MANIFEST).is_file():
+        layout = Layout.open(source)
+        config = AutoConfig.from_pretrained(layout.side_folder)
+        weights = (layout.manifest.quantization or {}).get("weights", "stored")  # a layout's format is made
+        return config, DTYPES[layout.manifest.dtype], weights, path or source, str(source)
+    folder = resolve_model_folder(source if model is None else model)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as e:
+        raise ZeroliteError(f"cannot read the model config in {folder}: {str(e).splitlines()[0]}") from e
+    return config, choose_dtype(dtype, config), None, path or folder, str(model or source.stem)
+
+
+def measure_disk_rate(folder) -> float:
+    from zerolite.profile.machine import measure_disk
+
+    return measure_disk(folder, scratch_bytes=1 << 30)["read_gbps"]
+
+
+def generate_command(model: str | None, best, costs) -> list[str]:
+    """The generate flags that run the chosen policy."""
+    c = best.candidate
+    words = ["zerolite", "generate"] + (["--model", str(model)] if model else [])
+    if c.weights != "stored":
+        words += ["--weights", c.weights]
+    words += ["--batch-size", str(c.batch_size), "--cpu-memory", megabytes(best.cpu_memory)]
+    if best.gpu_memory and costs is not None and c.gpu_layers:
+        words += ["--gpu-memory", megabytes(best.gpu_memory)]
+    if c.kv_offload:
+        words += ["--kv-offload", f"{c.kv_offload:g}"]
+    if c.prefetch_depth != 2:
+        words += ["--prefetch-depth", str(c.prefetch_depth)]
+    return words
+
+
+def megabytes(nbytes: int) -> str:
+    """A budget that holds nbytes, in whole MB (rounded up: a layer's budget must hold all of it)."""
+    return "0" if nbytes == 0 else f"{math.ceil(nbytes / 1e6)}MB"
+
+
+def plan_dict(best, costs, hardware, command: list[str]) -> dict:
+    c = best.candidate
+    return {
+        "model": costs.name, "batch_size": c.batch_size, "weights": c.weights, "kv_offload": c.kv_offload,
+        "gpu_layers": c.gpu_layers, "host_layers": c.host_layers, "disk_layers": costs.layers - c.gpu_layers - c.host_layers,
+        "prefetch_depth": c.prefetch_depth, "cpu_memory": best.cpu_memory, "gpu_memory": best.gpu_memory,
+        "prefill_s": round(best.prefill_s, 4), "decode_step_s": round(best.decode_step_s, 4),
+        "disk_s": round(best.disk_s, 4), "copy_s": round(best.copy_s, 4), "compute_s": round(best.compute_s, 4),
+        "tokens_per_s": round(best.tokens_per_s, 3), "bottleneck": best.bottleneck, "fill_s": round(best.fill_s, 2),
+        "job_s": round(best.job_s, 2), "host_bytes": best.host_bytes, "gpu_bytes": best.gpu_bytes,
+        "hardware": {"gpu": hardware.gpu, "host_ram": hardware.host_ram, "gpu_ram": hardware.gpu_ram,
+                     "disk_gbps": hardware.disk_gbps, "fill_gbps": hardware.fill_gbps, "h2d_gbps": hardware.h2d_gbps,
+                     "gpu_tflops": hardware.gpu_tflops, "sources": hardware.sources},
+        "command": command,
+    }
+
+
+def show(costs, hardware, job, choice, command: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    best, c = choice.best, choice.best.candidate
+    out = Console()
+    fmt = costs.formats[c.weights]
+    disk_layers = costs.layers - c.gpu_layers - c.host_layers
+    stored = costs.formats["stored"]
+    out.print(f"[bold]{costs.name}[/bold]: {costs.layers} layers, {(stored.always_bytes + costs.layers * stored.layer_bytes) / 1e9:.1f} GB "
+              f"in {str(costs.dtype).removeprefix('torch.')}; {job.prompt_tokens} prompt + {job.new_tokens} new tokens "
+              f"per prompt, {job.prompts or c.batch_size} prompts", highlight=False)
+    machine = ["GPU" if hardware.gpu else "CPU", f"host {hardware.host_ram / 1e9:.1f} GB"]
+    if hardware.gpu:
+        machine += [f"GPU {hardware.gpu_ram / 1e9:.1f} GB", f"copies {hardware.h2d_gbps:.1f} GB/s"]
+    machine += [f"disk {hardware.disk_gbps:.2f} GB/s", f"fill {hardware.fill_gbps:.2f} GB/s"]
+    out.print("machine: " + ", ".join(machine) + "  [dim](" + "; ".join(f"{k}: {v}" for k, v in hardware.sources.items()) + ")[/dim]",
+              highlight=False)
+    table = Table(title="plan", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("weights", c.weights + (f" (convert once: zerolite convert MODEL --weights {c.weights})" if c.weights != "stored" else ""))
+    table.add_row("batch size", str(c.batch_size))
+    tiers = []
+    if hardware.gpu:
+        tiers.append(f"{c.gpu_layers} on the GPU")
+    tiers += [f"{c.host_layers} in host memory ({c.host_layers * fmt.layer_bytes / 1e9:.2f} GB)",
+              f"{disk_layers} read from disk at every step ({disk_layers * fmt.layer_bytes / 1e9:.2f} GB)"]
+    table.add_row("layers", ", ".join(tiers))
+    if hardware.gpu:
+        table.add_row("K/V offload", f"{c.kv_offload:g} of the layers' K/V in host memory")
+    table.add_row("prefetch depth", str(c.prefetch_depth))
+    table.add_row("prefill", f"{best.prefill_s:.3f} s")
+    parts = [f"disk {best.disk_s:.3f}", f"compute {best.compute_s:.3f}"] + ([f"copy {best.copy_s:.3f}"] if hardware.gpu else [])
+    table.add_row("decode step", f"{best.decode_step_s:.3f} s ({', '.join(parts)} s): {best.bottleneck}-bound")
+    table.add_row("tokens/s", f"{best.tokens_per_s:.2f} (a batch's new tokens over its prefill and decode)")
+    table.add_row("filling memory", f"{best.fill_s:.1f} s, once")
+    table.add_row("the job", f"{best.job_s:.1f} s")
+    memory = f"host {best.host_bytes / 1e9:.1f} of {hardware.host_ram / 1e9:.1f} GB"
+    if hardware.gpu:
+        memory += f", GPU {best.gpu_bytes / 1e9:.1f} of {hardware.gpu_ram / 1e9:.1f} GB"
+    table.add_row("memory", memory)
+    out.print(table)
+    others = {}
+    for p in choice.tried:
+        w = p.candidate.weights
+        if w != c.weights and (w not in others or p.tokens_per_s > others[w].tokens_per_s):
+            others[w] = p
+    for w, p in others.items():
+        out.print(f"[dim]best with {w} weights: {p.tokens_per_s:.2f} tokens/s (batch {p.candidate.batch_size}, "
+                  f"{p.bottleneck}-bound)[/dim]", highlight=False)
+    out.print("run it: " + " ".join(command), highlight=False, soft_wrap=True)
