@@ -41,7 +41,7 @@ def run_tool(capsys, monkeypatch, name: str, *args: str) -> Result:
     return Result(code or 0, out, err)
 
 
-PLAN_LINES = ("plan: ", "K/V cache: ", "bound: ", "batch size: ")
+PLAN_LINES = ("plan: ", "plan for ", "K/V cache: ", "bound: ", "batch size: ")
 
 
 def assert_one_line_error(result: Result, *fragments: str, after_plan: bool = False) -> None:

@@ -1,11 +1,15 @@
 import fcntl
 import os
 import sys
+import tempfile
 
 import pytest
 
 # The tests build tiny models locally; nothing may reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# What the tests convert and what they measure of the machine (zerolite.planner.measurements) stay
+# out of the user's cache: a tiny test model's timings are no plan's business.
+os.environ.setdefault("ZEROLITE_CACHE", tempfile.mkdtemp(prefix="zerolite-tests-"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from layouts import TinyLayouts  # noqa: E402  (importable once the path above is set)

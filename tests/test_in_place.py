@@ -98,14 +98,17 @@ def test_a_second_load_reuses_the_manifest_and_a_changed_shard_is_refused(make_s
     ("moe", "transformers changes model.layers.0.mlp.experts.0"),
     ("dtype", "is stored as float32, and the run uses bfloat16"),
     ("no O_DIRECT", "refuses O_DIRECT reads"),
+    ("int4", "--weights int4 stores its layers' weights as int4"),
 ])
 def test_what_cannot_stream_in_place_converts_with_one_line_saying_why(make_source, tmp_path, capsys, monkeypatch,
                                                                        case, why):
     source = make_source("qwen2_moe" if case == "moe" else "llama", layers=2)
     if case == "no O_DIRECT":
         monkeypatch.setattr(zerolite.convert.resolve, "supports_direct_io", lambda path: False)
-    with zerolite.load(str(source), path=tmp_path, dtype="bf16" if case == "dtype" else None, show_progress=False) as lm:
+    with zerolite.load(str(source), path=tmp_path, dtype="bf16" if case == "dtype" else None, show_progress=False,
+                       weights="int4" if case == "int4" else None) as lm:
         assert not lm.layout.manifest.in_place and lm.layout.data_path.is_file()
+        assert (lm.layout.manifest.quantization or {}).get("weights") == ("int4" if case == "int4" else None)
     notes = [line for line in capsys.readouterr().err.splitlines() if "in place" in line]
     assert len(notes) == 1 and notes[0].startswith(f"zerolite: converting {source} once, as it cannot stream in place: ")
     assert why in notes[0], notes
@@ -157,3 +160,10 @@ def test_the_plan_says_the_layers_stream_from_the_checkpoint_in_place(make_sourc
     assert done.code == 0, done.stderr
     plan = next(line for line in done.stderr.splitlines() if line.startswith("plan: "))
     assert "2 layers streamed from the checkpoint's 1 shard(s), in place" in plan, plan
+
+
+def test_weights_asked_of_a_layout_in_another_format_are_refused_in_one_line(make_layout, capsys, monkeypatch):
+    layout = make_layout("llama", layers=2)
+    result = run(capsys, monkeypatch, "generate", "--model", layout, "--weights", "int8", "--device", "cpu", "hi")
+    assert result.code != 0 and len(result.stderr.strip().splitlines()) == 1
+    assert "holds unquantized weights, not int8" in result.stderr, result.stderr

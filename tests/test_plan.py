@@ -11,6 +11,7 @@ from transformers import AutoConfig, BloomConfig
 
 import zerolite
 from cli_runner import run
+from zerolite.layout.folder import Layout
 from zerolite.planner import measurements
 from zerolite.planner.cost import Candidate, Job, predict
 from zerolite.planner.hardware import Hardware
@@ -63,6 +64,7 @@ def test_a_pinned_host_budget_keeps_the_layers_generate_keeps(machine, capsys, m
 
 
 def test_profile_records_the_disk_rate_that_plan_then_uses(machine, capsys, monkeypatch, make_layout):
+    monkeypatch.setattr(measurements, "DISK_RECORDED_BYTES", 0)  # a tiny layout's read pass stands for the disk here
     layout = make_layout("llama", layers=3)
     profiled = run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", "--cpu-memory", "0", "--json",
                    "--new-tokens", "3")
@@ -136,3 +138,21 @@ def test_a_model_that_cannot_fit_says_what_must_change(tmp_path, capsys, monkeyp
                  "5.6GB/s", "--h2d-gbps", "25GB/s", "--gpu-tflops", "77TFLOPS")
     assert result.code != 0 and len(result.stderr.strip().splitlines()) == 1
     assert "cannot run here" in result.stderr and "GPU with" in result.stderr, result.stderr
+
+
+def test_generate_streams_every_layer_for_a_short_job_and_holds_them_for_a_long_one(machine, capsys, monkeypatch, make_layout,
+                                                                                   tmp_path):
+    """A disk that streams a layer in 0.1 s a step and host memory that fills at a third of that:
+    holding the layers pays off only over many steps, and generate's default budget follows."""
+    layout = make_layout("llama", layers=3)
+    layer_bytes = Layout.open(layout).manifest.block("layers.0").length
+    measurements.record(measurements.file_system(layout), layer_bytes / 0.1 / 1e9, "disk_gbps")
+    measurements.record("fill_gbps", layer_bytes / 0.3 / 1e9)
+    for prompts, tokens, held in ((1, 2, 0), (16, 24, 3)):
+        file = tmp_path / f"prompts-{prompts}.jsonl"
+        file.write_text("".join(json.dumps({"id": i, "input_ids": [5, 9, 3, 7]}) + "\n" for i in range(prompts)))
+        result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", file,
+                     "--max-new-tokens", tokens, "--batch-size", "auto")
+        assert result.code == 0, result.stderr
+        assert f"{held} layers in host memory" in result.stderr, result.stderr
+        assert ("layers streamed from disk" in result.stderr) == (held < 3), result.stderr

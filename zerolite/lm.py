@@ -223,6 +223,7 @@ def load(
     draft: str | os.PathLike | None = None,
     draft_group_size: int | None = None,
     world: World | None = None,
+    weights: str | None = None,
     **policy,
 ) -> OffloadedLM:
     """Loads model for streamed inference.
@@ -232,7 +233,9 @@ def load(
     None means the built-in SmolLM2-135M-Instruct. timeline, if given, records what the executor
     does (zerolite profile). draft: a layout or checkpoint sharing the model's tokenizer, or
     "self-int4" / "self-int8" (with draft_group_size), held resident to draft for speculative
-    decoding at batch 1 (zerolite.spec.draft). The remaining keywords are Policy fields (prefetch_depth, gpu_memory,
+    decoding at batch 1 (zerolite.spec.draft). weights: "int8" or "int4" runs a checkpoint converted
+    so (once, into a folder of its own; a layout given must hold them), "stored" or None its own
+    precision. The remaining keywords are Policy fields (prefetch_depth, gpu_memory,
     cpu_memory (bytes, or sizes such as "24GB"), kv_offload, io_backend, ...).
 
     Under torchrun (world: default from the environment) every rank calls load alike: each runs
@@ -250,9 +253,9 @@ def load(
     policy = world.each(lambda: Policy(offload=offload, device=device, **policy), "checking the arguments")
     started = time.perf_counter()
     # The node's first rank converts (if need be) before the others open what it wrote.
-    converted = world.each(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress) if world.local_rank == 0
+    converted = world.each(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress, weights) if world.local_rank == 0
                            else None, "converting the model")
-    layout_folder = world.each(lambda: converted or ensure_layout(model, path, dtype, allow_pickle, show_progress),
+    layout_folder = world.each(lambda: converted or ensure_layout(model, path, dtype, allow_pickle, show_progress, weights),
                                "opening the layout")
     convert_s = time.perf_counter() - started
 

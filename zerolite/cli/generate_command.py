@@ -25,7 +25,7 @@ def generate(
     input_file: Annotated[Path | None, typer.Option("--input", help='JSONL prompts: {"id", "prompt"} or {"id", "input_ids"} per line.')] = None,
     output: Annotated[Path | None, typer.Option(help='JSONL completions: {"id", "prompt", "completion", "token_ids", "finish_reason"} per line.')] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt, at most.")] = 64,
-    batch_size: Annotated[str | None, typer.Option(help="Prompts per pass over the weights, or auto: the largest batch the memory left holds (default 8; 1 with --draft).", show_default=False)] = None,
+    batch_size: Annotated[str | None, typer.Option(help="Prompts per pass over the weights, or auto: zerolite plan's choice for this job, within what the memory left holds (default 8; 1 with --draft).", show_default=False)] = None,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the likeliest tokens holding this much probability (0 < p <= 1).")] = 1.0,
@@ -78,6 +78,9 @@ def generate(
         batch = 1 if draft is not None else options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
         if batch is not None:  # before minutes of loading (auto sizes are checked once known)
             world.each(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
+        chosen_batch, planned = None, None
+        if world.size == 1 and draft is None and load["offload"] == "nvme" and (batch is None or load["cpu_memory"] is None):
+            chosen_batch, load, planned = plan_the_job(load, [p for p in todo if p.id not in done], max_new_tokens, batch)
         lm = stack.enter_context(options.load_model(load, world=world))
 
         def show(batch) -> None:
@@ -87,8 +90,14 @@ def generate(
             for c in batch:
                 typer.echo(((c.prompt or "") + c.completion if not chat else c.completion) if c.completion is not None else json.dumps(c.token_ids))
 
-        stats = generate_all(lm, todo, sampling(), batch, show, done=done,
-                             on_start=lambda size, tokens: world.leads and show_plan(lm, size, tokens, chosen=batch is None))
+        def start(size: int, tokens: int) -> None:
+            """Once the model loaded and the prompts passed their checks: a run that fails says only why."""
+            if world.leads:
+                if planned:
+                    stderr.print(f"[dim]{planned}[/dim]", highlight=False, soft_wrap=True)
+                show_plan(lm, size, tokens, chosen=batch is None)
+
+        stats = generate_all(lm, todo, sampling(), batch, show, done=done, batch_cap=chosen_batch, on_start=start)
     if not world.leads:
         return
     if stats_json is not None:
@@ -108,3 +117,32 @@ def generate(
         stderr.print(f"[dim]draft: {spec.accepted} of {spec.drafted} guesses kept ({summary['acceptance_rate']:.0%}), "
                      f"{summary['tokens_per_pass']:.2f} tokens per pass over the weights; {spec.draft_s:.2f} s drafting, "
                      f"{spec.target_s:.2f} s in the model's passes[/dim]", soft_wrap=True)
+
+
+def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) -> tuple[int | None, dict, str | None]:
+    """zerolite plan's search for this job, for what the user left open: the batch (auto) and the
+    host budget. Returns the batch it chose (None where it was given), load with the budget set,
+    and a line saying so. Where the planner cannot say (no config it can read, a model it thinks
+    cannot fit), the defaults stand: the loader's own checks have the last word."""
+    import torch
+
+    from zerolite.planner.for_job import choose_for_job
+
+    longest = max((len(p.input_ids) if p.input_ids is not None else len(p.text or "") // 3 + 1 for p in prompts), default=1)
+    device = load["device"] if load["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return None, load, None  # the loader says what is wrong with that
+    try:
+        best = choose_for_job(load, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), device).best
+    except ZeroliteError as e:
+        return None, load, f"plan: none for this job ({e}); the default budgets stand"
+    c = best.candidate
+    chosen = []
+    if batch is None:
+        chosen.append(f"batch {c.batch_size}")
+    if load["cpu_memory"] is None:
+        load = {**load, "cpu_memory": best.cpu_memory}
+        chosen.append(f"{c.host_layers} layers in host memory")
+    line = (f"plan for {len(prompts)} prompts x {new_tokens} tokens: {', '.join(chosen)} ({c.weights} weights; predicted "
+            f"{best.tokens_per_s:.1f} tokens/s, {best.bottleneck}-bound, {best.fill_s:.1f} s filling memory; zerolite plan says why)")
+    return (c.batch_size if batch is None else None), load, line

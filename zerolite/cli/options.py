@@ -48,6 +48,9 @@ KvOffload = Annotated[float, typer.Option(
 Experts = Annotated[str, typer.Option(
     "--experts", help="A mixture of experts: routed moves only the experts the router picks at each step, whole "
     "moves every expert, as a dense layer streams.")]
+Weights = Annotated[str | None, typer.Option(
+    "--weights", help="stored (the checkpoint's own precision), or int8 / int4: its layers' weights converted so, once "
+    "(a quarter of the bytes to stream with int4).", show_default=False)]
 AllowPickle = Annotated[bool, typer.Option(
     "--allow-pickle", help="Read pickled .bin weights when converting (weights_only=True).")]
 Draft = Annotated[str | None, typer.Option(
@@ -70,6 +73,7 @@ LOAD_OPTIONS = {
     "cpu_memory": (CpuMemory, None),
     "kv_offload": (KvOffload, 0.0),
     "experts": (Experts, "routed"),
+    "weights": (Weights, None),
     "allow_pickle": (AllowPickle, False),
     "draft": (Draft, None),
     "draft_group_size": (DraftGroupSize, None),

@@ -52,6 +52,7 @@ def plan(
     from zerolite.planner.cost import Job
     from zerolite.planner.hardware import Hardware, parse_bandwidth, parse_flops
     from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
+    from zerolite.planner.model_source import ModelSource
     from zerolite.planner.search import Pins, search
     from zerolite.runtime.policy import parse_size
 
@@ -68,7 +69,8 @@ def plan(
         "host_ram": parse_size(host_ram, "--host-ram") if host_ram else None,
         "gpu_ram": parse_size(gpu_ram, "--gpu-ram") if gpu_ram else None,
     }
-    config, run_dtype, layout_weights, folder, name = model_config(model, dtype, path)
+    source = ModelSource.resolve(model, dtype, path)
+    layout_weights = source.weights
     if layout_weights is not None and weights not in (None, layout_weights):
         raise ZeroliteError(f"{model} is a layout of {layout_weights} weights: leave out --weights, or plan its "
                             "checkpoint to choose the format")
@@ -77,10 +79,10 @@ def plan(
     if described_gpu and (flags["gpu_ram"] is None or flags["h2d_gbps"] is None or flags["gpu_tflops"] is None):
         raise ZeroliteError("a GPU other than this machine's needs --gpu-ram, --h2d-gbps and --gpu-tflops, as in "
                             "--gpu-ram 48GB --h2d-gbps 25GB/s --gpu-tflops 77TFLOPS")
-    costs = ModelCosts.from_config(config, run_dtype, name)
-    hardware = Hardware.here(here if not described_gpu else "cpu", folder, run_dtype, measure_disk=measure_disk_rate,
-                             probe=not described_gpu, disk_gbps=flags["disk_gbps"],
-                             model=(config, costs.formats["stored"].layer_bytes))
+    costs = ModelCosts.from_config(source.config, source.dtype, source.name)
+    hardware = Hardware.here(here if not described_gpu else "cpu", source.disk_target, source.dtype,
+                             measure_disk=measure_disk_rate, probe=not described_gpu, disk_gbps=flags["disk_gbps"],
+                             model=(source.config, costs.formats["stored"].layer_bytes))
     if described_gpu:
         hardware = hardware.with_flags(gpu=True, **flags)
     else:
@@ -99,35 +101,10 @@ def plan(
     show(costs, hardware, job, choice, command)
 
 
-def model_config(model: str | None, dtype: str | None, path: Path | None):
-    """(config, the dtype stored weights run in, the weight format where model is a layout (it is
-    made), a folder on the disk the layers would stream from, a name)."""
-    from transformers import AutoConfig
-
-    from zerolite.convert.checkpoint import resolve_model_folder
-    from zerolite.convert.paths import builtin_gguf
-    from zerolite.convert.writer import choose_dtype
-    from zerolite.layout.folder import Layout
-    from zerolite.layout.manifest import DTYPES, MANIFEST
-
-    source = Path(model).expanduser() if model is not None else builtin_gguf()
-    if (source / MANIFEST).is_file():
-        layout = Layout.open(source)
-        config = AutoConfig.from_pretrained(layout.side_folder)
-        weights = (layout.manifest.quantization or {}).get("weights", "stored")  # a layout's format is made
-        return config, DTYPES[layout.manifest.dtype], weights, path or source, str(source)
-    folder = resolve_model_folder(source if model is None else model)
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except (ValueError, KeyError, OSError) as e:
-        raise ZeroliteError(f"cannot read the model config in {folder}: {str(e).splitlines()[0]}") from e
-    return config, choose_dtype(dtype, config), None, path or folder, str(model or source.stem)
-
-
-def measure_disk_rate(folder) -> float:
+def measure_disk_rate(target) -> dict:
     from zerolite.profile.machine import measure_disk
 
-    return measure_disk(folder, scratch_bytes=1 << 30)["read_gbps"]
+    return measure_disk(target, scratch_bytes=1 << 30)
 
 
 def generate_command(model: str | None, best, costs) -> list[str]:

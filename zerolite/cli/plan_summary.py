@@ -15,7 +15,7 @@ def show_plan(lm, batch_size: int, tokens: int, chosen: bool = False) -> None:
     """Where every block and the K/V cache live, and what a step must move, before anything runs."""
     lines = summarize(lm, batch_size, tokens)
     if chosen:
-        lines.append(f"batch size: {batch_size} (auto: the largest that fits)")
+        lines.append(f"batch size: {batch_size} (auto: zerolite plan's choice for this job, within what fits)")
     for line in lines:
         stderr.print(f"[dim]{line}[/dim]", highlight=False, soft_wrap=True)
 

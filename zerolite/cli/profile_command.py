@@ -40,7 +40,7 @@ def profile(
         from zerolite.profile.machine import measure_disk
 
         figures = measure_disk(disk)
-        measurements.record(measurements.file_system(disk), figures["read_gbps"], "disk_gbps")
+        measurements.record_disk(disk, figures["read_gbps"], figures["bytes"])
         if as_json:
             typer.echo(json.dumps(figures))
         else:
@@ -87,6 +87,7 @@ def record_machine(lm, report) -> None:
     """What the run measured of the machine, for zerolite plan: the read-only pass's rate on the
     file system the layers streamed from, and host-to-device copies."""
     if report.read_gbps:
-        measurements.record(measurements.file_system(lm.layout.read_paths[0]), report.read_gbps, "disk_gbps")
+        passes = max(report.new_tokens - 1, 1)  # the read-only pass read the streamed blocks once per decode step
+        measurements.record_disk(lm.layout.read_paths[0], report.read_gbps, report.streamed_bytes_per_step * passes)
     if report.h2d_gbps:
         measurements.record("h2d_gbps", report.h2d_gbps)

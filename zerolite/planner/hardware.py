@@ -1,7 +1,7 @@
 """The machine a plan is for: its memory, its links' speeds and its compute, each with where it came
 from (measured here and recorded, given as a flag, or taken from this machine now).
 
-    hardware = Hardware.here(device="cpu", layout_folder=..., dtype=torch.bfloat16)
+    hardware = Hardware.here(device="cpu", disk_target=..., dtype=torch.bfloat16)
     hardware = Hardware.described(gpu_ram=..., host_ram=..., disk_gbps=5.6, h2d_gbps=25, gpu_tflops=77)
 
 A machine described by flags has a GPU when it is given GPU memory or TFLOPS; its compute is then
@@ -57,10 +57,11 @@ class Hardware:
         return flops * per_weight / (2 * rows)
 
     @classmethod
-    def here(cls, device: str, layout_folder, dtype: torch.dtype, measure_disk=None, probe: bool = True,
+    def here(cls, device: str, disk_target, dtype: torch.dtype, measure_disk=None, probe: bool = True,
              disk_gbps: float | None = None, model=None) -> Hardware:
         """This machine: memory free now, the disk's rate as last recorded for that file system
-        (else measured now, through measure_disk(folder) -> GB/s, unless given), copies and compute
+        (else measured now, through measure_disk(folder) -> zerolite.profile.machine.measure_disk's
+        figures, unless given), copies and compute
         as recorded (else measured now; compute only with probe)."""
         sources = {}
         gpu = device.startswith("cuda")
@@ -69,14 +70,15 @@ class Hardware:
         gpu_ram = torch.cuda.mem_get_info(torch.device(device))[0] if gpu else 0
         if gpu:
             sources["gpu_ram"] = "free now"
-        fs = measurements.file_system(layout_folder)
+        fs = measurements.file_system(disk_target)
         disk = disk_gbps or measurements.value(fs, "disk_gbps")
         if disk_gbps is not None:
             sources["disk_gbps"] = "given"
         elif disk is None and measure_disk is not None:
-            disk = measure_disk(layout_folder)
-            measurements.record(fs, disk, "disk_gbps")
-            sources["disk_gbps"] = "measured now"
+            figures = measure_disk(disk_target)
+            disk = figures["read_gbps"]
+            measurements.record_disk(disk_target, disk, figures["bytes"])
+            sources["disk_gbps"] = f"measured now ({figures['bytes'] / 1e9:.2f} GB read)"
         elif disk is not None:
             sources["disk_gbps"] = f"recorded ({measurements.path()})"
         if disk is None:

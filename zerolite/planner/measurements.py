@@ -22,6 +22,7 @@ import torch
 from zerolite.convert.paths import cache_dir
 
 FILE = "machine.json"
+DISK_RECORDED_BYTES = 256 << 20   # a disk read over fewer bytes says more about latency than rate: not kept
 
 
 def path() -> Path:
@@ -50,6 +51,12 @@ def record(key: str, value, under: str | None = None) -> None:
         write_atomically(path(), json.dumps(data, indent=1) + "\n")
     except OSError:
         pass  # a read-only cache costs the next plan a measurement, nothing else
+
+
+def record_disk(folder, gbps: float, nbytes: int) -> None:
+    """The read rate of folder's file system, if measured over enough bytes to stand for it."""
+    if nbytes >= DISK_RECORDED_BYTES:
+        record(file_system(folder), gbps, "disk_gbps")
 
 
 def value(key: str, under: str | None = None):

@@ -50,6 +50,8 @@ def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(),
         raise ZeroliteError(f"--weights {pins.weights} cannot store this model's layers (int4 needs output widths in multiples "
                             "of its row block): choose stored or int8")
     batches = [pins.batch_size] if pins.batch_size else ([1] if latency else BATCH_SIZES)
+    if job.prompts and not pins.batch_size:  # no batch beyond the job's prompts
+        batches = sorted({min(b, job.prompts) for b in batches})
     offloads = [pins.kv_offload] if pins.kv_offload is not None else (KV_OFFLOADS if hardware.gpu else [0.0])
     depths = [pins.prefetch_depth] if pins.prefetch_depth else PREFETCH_DEPTHS
     every = []

@@ -1,0 +1,38 @@
+"""The search run for one generate job, before anything loads: what --batch-size auto and the
+default host budget become.
+
+    choice = choose_for_job(load, prompts=40, prompt_tokens=30, new_tokens=64, batch_size=None)
+    choice.best.candidate.batch_size, choice.best.cpu_memory
+
+The job's length decides the host tier: filling host memory takes time a short job does not win
+back, so a short job may stream every layer where a long one holds what fits. Whatever the user
+set is pinned. Of the choice, generate takes the batch and the host budget; the GPU's budget keeps
+its default (what is free), which holds at least the layers the search put there.
+"""
+
+from __future__ import annotations
+
+from zerolite.planner.cost import Job
+from zerolite.planner.hardware import Hardware
+from zerolite.planner.model_costs import ModelCosts
+from zerolite.planner.model_source import ModelSource
+from zerolite.planner.search import Choice, Pins, search
+
+
+def choose_for_job(load: dict, prompts: int, prompt_tokens: int, new_tokens: int, batch_size: int | None,
+                   device: str) -> Choice:
+    """load: zerolite.load's keywords as generate took them (model, path, dtype, weights, and the
+    policy's cpu_memory, prefetch_depth, kv_offload, offload); device: "cpu" or "cuda"."""
+    from zerolite.profile.machine import measure_disk
+    from zerolite.runtime.policy import parse_size
+
+    source = ModelSource.resolve(load.get("model"), load.get("dtype"), load.get("path"))
+    costs = ModelCosts.from_config(source.config, source.dtype, source.name)
+    hardware = Hardware.here(device, source.disk_target, source.dtype, measure_disk=measure_disk,
+                             model=(source.config, costs.formats["stored"].layer_bytes))
+    cpu_memory = load.get("cpu_memory")
+    pins = Pins(weights=load.get("weights") or source.weights or "stored", batch_size=batch_size,
+                kv_offload=load.get("kv_offload") or 0.0,
+                cpu_memory=parse_size(cpu_memory, "`cpu_memory`") if isinstance(cpu_memory, str) else cpu_memory,
+                prefetch_depth=load.get("prefetch_depth"), offload=load.get("offload"))
+    return search(costs, hardware, Job(prompt_tokens, new_tokens, prompts), pins)
