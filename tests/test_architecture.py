@@ -25,6 +25,7 @@ LAYERS = [
     ("convert",),
     ("dist",),
     ("runtime",),
+    ("planner",),
     ("spec",),
     ("lm",),
     ("generate",),

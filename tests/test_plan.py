@@ -11,6 +11,7 @@ from transformers import AutoConfig, BloomConfig
 
 import zerolite
 from cli_runner import run
+from zerolite.io.device import CpuDevice
 from zerolite.layout.folder import Layout
 from zerolite.planner import measurements
 from zerolite.planner.cost import Candidate, Job, predict
@@ -28,7 +29,7 @@ def machine(tmp_path, monkeypatch):
     seconds): every weight multiplied at 1 ns, however many rows."""
     monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))
     for dtype in (torch.float32, torch.bfloat16):
-        measurements.record(measurements.compute_key("cpu", dtype), {w: {str(r): 1e-9 for r in ROWS} for w in
+        measurements.record(measurements.compute_key(CpuDevice(), dtype), {w: {str(r): 1e-9 for r in ROWS} for w in
                                                                       ("stored", "int8", "int4")}, "compute")
     return tmp_path
 

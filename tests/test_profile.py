@@ -10,7 +10,7 @@ import pytest
 import zerolite
 from cli_runner import run
 from simulated_device import SimulatedDevice
-from zerolite.profile.machine import measure_disk
+from zerolite.planner.machine import measure_disk
 from zerolite.profile.run import profile_run
 from zerolite.runtime.timeline import Timeline
 

@@ -24,7 +24,7 @@ from zerolite.runtime.batching import MARGIN, largest_batch
 from zerolite.errors import ZeroliteError
 from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, kv_bytes_per_token
 from zerolite.layout.folder import Layout
-from zerolite.profile.machine import measure_host_to_device
+from zerolite.planner.machine import measure_host_to_device
 from zerolite.profile.run import profile_run
 from zerolite.runtime.timeline import Timeline
 

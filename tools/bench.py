@@ -62,7 +62,7 @@ from models import make_model
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.folder import Layout
-from zerolite.profile.machine import DISK_READ_BYTES, drop_page_cache
+from zerolite.planner.machine import DISK_READ_BYTES, drop_page_cache
 from zerolite.openmp import environment_as_the_user_had_it
 from zerolite.runtime.policy import Policy
 from zerolite.layout.read_pass import read_pass

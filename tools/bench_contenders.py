@@ -26,7 +26,12 @@ def zerolite_model(args, offload: str, layout: str | None = None, **policy):
     import zerolite
 
     lm = zerolite.load(layout or args.layout, offload=offload, device=args.device, show_progress=False, **policy)
-    return lm, {"bytes_read": lambda: lm.bytes_read}
+    return lm, zerolite_measures(lm)
+
+
+def zerolite_measures(lm) -> dict:
+    """What a zerolite run reports besides its times: bytes read, and the layers it held in host memory."""
+    return {"bytes_read": lambda: lm.bytes_read, "held_layers": lambda: len(lm.plan.in_memory)}
 
 
 def zerolite_in_place(args):
@@ -47,7 +52,21 @@ def zerolite_in_place_default(args):
 
     lm = zerolite.load(args.source, path=os.path.join(args.scratch, "in-place"), offload="nvme", device=args.device,
                        show_progress=False)
-    return lm, {"bytes_read": lambda: lm.bytes_read}
+    return lm, zerolite_measures(lm)
+
+
+def zerolite_in_place_planned(args):
+    """In place with the host budget zerolite generate takes for this job (zerolite plan's search:
+    args.batch_size prompts of args.prompt_tokens, args.new_tokens each); prepare_s: the planning."""
+    import zerolite
+    from zerolite.planner.for_job import choose_for_job
+
+    load = dict(model=args.source, path=os.path.join(args.scratch, "in-place"), offload="nvme", cpu_memory=None)
+    started = time.perf_counter()
+    best = choose_for_job(load, args.batch_size, args.prompt_tokens, args.new_tokens, args.batch_size, args.device).best
+    prepare_s = time.perf_counter() - started
+    lm = zerolite.load(**{**load, "cpu_memory": best.cpu_memory}, device=args.device, show_progress=False)
+    return lm, {**zerolite_measures(lm), "prepare_s": lambda: prepare_s}
 
 
 def zerolite_converted_first(args):
@@ -204,6 +223,7 @@ CONTENDERS = {
     "zerolite-cpu": lambda a: zerolite_model(a, "cpu"),
     "zerolite-nvme-in-place": zerolite_in_place,
     "zerolite-in-place-default": zerolite_in_place_default,
+    "zerolite-in-place-planned": zerolite_in_place_planned,
     "accelerate-auto": accelerate_auto,
     "zerolite-nvme-convert-first": zerolite_converted_first,
     "zerolite-nvme-int8": lambda a: zerolite_model(a, "nvme", layout=a.int8_layout, cpu_memory=0),
@@ -267,7 +287,7 @@ def main() -> None:
         "step_s": steps, "tokens": tokens.tolist(),
         "peak_rss_bytes": own_peak_rss(),
     }
-    for measure in ("bytes_read", "prepare_s"):
+    for measure in ("bytes_read", "prepare_s", "held_layers"):
         if measure in extras:
             result[measure] = extras[measure]()
     Path(args.out).write_text(json.dumps(result))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from zerolite.convert.checkpoint import Checkpoint
-from zerolite.profile.machine import drop_page_cache
+from zerolite.planner.machine import drop_page_cache
 
 COPY_CHUNK = 64 << 20
 

@@ -5,7 +5,7 @@
 
 For each chunk size and queue depth: drop the page cache, run fio (--direct=1, io_uring, the same
 chunk size as --bs, and depth), then drop it again before each engine backend reads the whole file as
-zerolite profile --disk does (zerolite.profile.machine.read_bandwidth: 64 MiB requests, four in flight). Prints each
+zerolite profile --disk does (zerolite.planner.machine.read_bandwidth: 64 MiB requests, four in flight). Prints each
 bandwidth as "median (best)" of --repeat runs, and its ratio to fio's. Run as root so the caches can be dropped.
 
 --first-read N: the first read of a process into memory it never used, as loading a tier does. N rounds,
@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zerolite.io.engine import IoEngine
-from zerolite.profile.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth, write_scratch
+from zerolite.planner.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth, write_scratch
 
 
 REPORTING_WAIT_S = 3  # the kernel reports freed pages to the host two seconds after they are freed
@@ -63,7 +63,7 @@ def first_read_gbps(path: str, how: str) -> float:
     ("touched first"), or no read, the pages touched alone ("touch")."""
     code = (
         "import os, sys, time; from zerolite.io.engine import IoEngine, aligned_empty\n"
-        "from zerolite.profile.machine import drop_page_cache\n"
+        "from zerolite.planner.machine import drop_page_cache\n"
         "path, how = sys.argv[1], sys.argv[2]; engine = IoEngine(); size = os.path.getsize(path)\n"
         f"drop_page_cache(); time.sleep({REPORTING_WAIT_S})\n"
         "started = time.perf_counter(); buffer = aligned_empty(size)\n"

@@ -55,7 +55,7 @@ from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import BlockEntry
 from zerolite.layout.read_pass import read_pass
 from zerolite.moe.experts import find_experts
-from zerolite.profile.machine import drop_page_cache
+from zerolite.planner.machine import drop_page_cache
 
 MODEL_CONFIG = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=10, num_attention_heads=8,
                     num_key_value_heads=2, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,

@@ -8,6 +8,8 @@ place and by its contenders, each in a fresh process after the page cache is dro
 Runs (--runs picks some):
   in-place-b1, in-place-b16              zerolite in place, default budgets, batch 1 and 16
   in-place-stream-b1, in-place-stream-b16  the same with --cpu-memory 0: every layer streamed
+  in-place-planned-b1, in-place-planned-b16  the host budget zerolite generate takes for this job
+                                         (zerolite plan's search: batch prompts, --new-tokens each)
   read-pass                              a read-only pass of the engine over the layers, in decode order
   accelerate                             transformers + accelerate disk offload (device_map="auto",
                                          an 18 GiB host budget), batch 1
@@ -16,7 +18,9 @@ Runs (--runs picks some):
                                          throughput of both and convert's peak RSS (both deleted after)
 
 Reported for each: time to first token (from process start), the median decode step, peak RSS
-and the disk it used; the streamed runs' steps beside the read pass. Everything written is
+and the disk it used; the streamed runs' steps beside the read pass; and for zerolite's runs the
+decode step zerolite plan predicts for the policy each ran (its batch, weights and the layers it
+held), from the machine's figures as recorded before the runs. Everything written is
 deleted at the end unless --keep.
 """
 
@@ -36,7 +40,7 @@ from rich.table import Table
 
 from bench import run_contender
 from bench_convert import plain_copy, timed_convert
-from zerolite.profile.machine import drop_page_cache
+from zerolite.planner.machine import drop_page_cache
 
 SCALE_CONFIG = dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                     num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
@@ -46,6 +50,8 @@ RUNS = {
     "in-place-b16": ("zerolite-in-place-default", 16),
     "in-place-stream-b1": ("zerolite-nvme-in-place", 1),
     "in-place-stream-b16": ("zerolite-nvme-in-place", 16),
+    "in-place-planned-b1": ("zerolite-in-place-planned", 1),
+    "in-place-planned-b16": ("zerolite-in-place-planned", 16),
     "accelerate": ("accelerate-auto", 1),
     "int4": ("zerolite-nvme-int4", 16),
 }
@@ -102,6 +108,27 @@ def read_pass_step(layout_folder: Path, passes: int) -> float:
     return read_pass(layout, list(layout.manifest.layer_names), passes=passes, depth=Policy().prefetch_depth)["median_pass_s"]
 
 
+def plan_predictor(source: Path, args):
+    """predict(batch, weights, held layers) -> zerolite plan's decode step for that policy, from
+    what is recorded of this machine now (the disk's rate, compute probed once)."""
+    from zerolite.planner.cost import Candidate, Job, predict
+    from zerolite.planner.hardware import Hardware
+    from zerolite.planner.machine import measure_disk
+    from zerolite.planner.model_costs import ModelCosts
+    from zerolite.planner.model_source import ModelSource
+
+    model = ModelSource.resolve(str(source), None, None)
+    costs = ModelCosts.from_config(model.config, model.dtype, model.name)
+    hardware = Hardware.here("cpu", model.disk_target, model.dtype, measure_disk=measure_disk,
+                             model=(model.config, costs.formats["stored"].layer_bytes))
+
+    def step(batch: int, weights: str, held: int) -> float:
+        job = Job(args.prompt_tokens, args.new_tokens, batch)
+        return predict(costs, hardware, Candidate(weights, batch, held), job).decode_step_s
+
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", type=Path, default=Path("/work/scale"))
@@ -125,6 +152,7 @@ def main() -> None:
         console.print(f"model written: {nbytes / 1e9:.1f} GB in {time.perf_counter() - started:.0f} s", highlight=False)
     args.source, args.layout, args.device, args.gguf_folder = str(source), str(source), "cpu", ""
     args.int8_layout, args.int4_layout = "", str(args.folder / "int4")
+    predictor = plan_predictor(source, args)
     results = {}
     try:
         if "convert" in runs:
@@ -168,14 +196,19 @@ def main() -> None:
             shutil.rmtree(args.folder, ignore_errors=True)
     table = Table(title=f"a {SCALE_CONFIG['num_hidden_layers']}-layer Llama of hidden {SCALE_CONFIG['hidden_size']} in bf16, "
                         f"{args.new_tokens} new tokens, page cache dropped before each run")
-    for column in ("run", "batch", "first token s", "decode step s", "step / read pass", "peak RSS GB", "disk GB"):
+    for column in ("run", "batch", "held layers", "first token s", "decode step s", "plan predicts s", "step / read pass",
+                   "peak RSS GB", "disk GB"):
         table.add_column(column, justify="left" if column == "run" else "right")
     read_pass = results.get("read-pass", {}).get("step_s", [None])[0]
     for run, result in results.items():
         if run in ("read-pass", "int4 convert", "convert") or "error" in result:
             continue
         step = statistics.median(result["step_s"]) if result["step_s"] else float("nan")
-        table.add_row(run, str(RUNS[run][1]), f"{result['ready_s'] + result['prefill_s']:.1f}", f"{step:.2f}",
+        held = result.get("held_layers")
+        if held is not None:
+            result["predicted_step_s"] = predictor(RUNS[run][1], "int4" if run == "int4" else "stored", held)
+        table.add_row(run, str(RUNS[run][1]), "-" if held is None else str(held), f"{result['ready_s'] + result['prefill_s']:.1f}",
+                      f"{step:.2f}", f"{result['predicted_step_s']:.2f}" if held is not None else "-",
                       f"{step / read_pass:.2f}x" if read_pass else "-", f"{result['peak_rss_bytes'] / 1e9:.1f}",
                       f"{result['disk_bytes'] / 1e9:.3f}")
     console.print(table)

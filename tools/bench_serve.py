@@ -36,7 +36,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from zerolite.profile.machine import drop_page_cache
+from zerolite.planner.machine import drop_page_cache
 
 START_TIMEOUT_S = 600
 REQUEST_TIMEOUT = httpx.Timeout(1800.0)

@@ -41,7 +41,7 @@ from zerolite.convert.resolve import ensure_layout
 from zerolite.lm import load_draft
 from zerolite.generate.run import encode
 from zerolite.generate.prompts import Prompt
-from zerolite.profile.machine import drop_page_cache
+from zerolite.planner.machine import drop_page_cache
 
 NEAR_TIE = 1e-4
 QUESTIONS = [

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from zerolite.io.engine import host_bytes
 from zerolite.layout.folder import Layout
-from zerolite.profile.machine import drop_page_cache
+from zerolite.planner.machine import drop_page_cache
 
 ZEROLITE = [sys.executable, "-m", "zerolite"]
 TOLERANCE = 0.20      # the bound on a predicted decode step

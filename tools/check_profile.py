@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_io import fio_gbps, make_file
-from zerolite.profile.machine import DISK_READ_BYTES, REQUEST_BYTES, drop_page_cache
+from zerolite.planner.machine import DISK_READ_BYTES, REQUEST_BYTES, drop_page_cache
 
 ZEROLITE = shutil.which("zerolite", path=os.path.dirname(sys.executable)) or "zerolite"
 

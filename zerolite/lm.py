@@ -25,6 +25,7 @@ from zerolite.io.device import Device
 from zerolite.io.engine import IoEngine
 from zerolite.layout.folder import Layout
 from zerolite.moe.counts import ExpertCounts
+from zerolite.planner import measurements
 from zerolite.runtime.executor import Executor
 from zerolite.runtime.kv_cache import PartialOffloadCache
 from zerolite.runtime.loader import build_executor, open_layout, rank_device
@@ -42,6 +43,8 @@ from zerolite.spec.draft import (
     ring_depth,
 )
 from zerolite.text import check_token_ids
+
+FILL_RECORDED_BYTES = 256 << 20  # a load that read this much (or more) records how fast memory filled
 
 
 class OffloadedLM:
@@ -287,6 +290,8 @@ def load(
         if draft_lm is not None:
             draft_lm.close()
         raise
+    if world.leads and executor.loaded_bytes >= FILL_RECORDED_BYTES:  # what filling memory costs here, for zerolite plan
+        measurements.record("fill_gbps", round(executor.load_read_gbps, 3))
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s, world)
 
 

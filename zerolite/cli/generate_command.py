@@ -124,13 +124,12 @@ def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) 
     host budget. Returns the batch it chose (None where it was given), load with the budget set,
     and a line saying so. Where the planner cannot say (no config it can read, a model it thinks
     cannot fit), the defaults stand: the loader's own checks have the last word."""
-    import torch
-
+    from zerolite.io.device import cuda_available
     from zerolite.planner.for_job import choose_for_job
 
     longest = max((len(p.input_ids) if p.input_ids is not None else len(p.text or "") // 3 + 1 for p in prompts), default=1)
-    device = load["device"] if load["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    device = load["device"] if load["device"] != "auto" else ("cuda" if cuda_available() else "cpu")
+    if device.startswith("cuda") and not cuda_available():
         return None, load, None  # the loader says what is wrong with that
     try:
         best = choose_for_job(load, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), device).best

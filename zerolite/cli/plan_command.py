@@ -47,8 +47,7 @@ def plan(
     """Choose the batch size, weight format, tiers, K/V offload and prefetch depth for the most tokens/s
     (or, with --latency, the least time per prompt), and predict prefill, decode step and what limits it.
     Works from the model's config alone; any choice given as a flag is pinned, as generate takes it."""
-    import torch
-
+    from zerolite.io.device import cuda_available
     from zerolite.planner.cost import Job
     from zerolite.planner.hardware import Hardware, parse_bandwidth, parse_flops
     from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
@@ -75,7 +74,7 @@ def plan(
         raise ZeroliteError(f"{model} is a layout of {layout_weights} weights: leave out --weights, or plan its "
                             "checkpoint to choose the format")
     described_gpu = flags["gpu_tflops"] is not None or flags["gpu_ram"] is not None
-    here = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    here = device if device != "auto" else ("cuda" if cuda_available() else "cpu")
     if described_gpu and (flags["gpu_ram"] is None or flags["h2d_gbps"] is None or flags["gpu_tflops"] is None):
         raise ZeroliteError("a GPU other than this machine's needs --gpu-ram, --h2d-gbps and --gpu-tflops, as in "
                             "--gpu-ram 48GB --h2d-gbps 25GB/s --gpu-tflops 77TFLOPS")
@@ -102,7 +101,7 @@ def plan(
 
 
 def measure_disk_rate(target) -> dict:
-    from zerolite.profile.machine import measure_disk
+    from zerolite.planner.machine import measure_disk
 
     return measure_disk(target, scratch_bytes=1 << 30)
 

@@ -37,7 +37,7 @@ def profile(
         if target is not None and not target.parent.is_dir():
             raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
     if disk is not None:
-        from zerolite.profile.machine import measure_disk
+        from zerolite.planner.machine import measure_disk
 
         figures = measure_disk(disk)
         measurements.record_disk(disk, figures["read_gbps"], figures["bytes"])

@@ -21,8 +21,10 @@ import contextlib
 import ctypes
 import functools
 import mmap
+import platform
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 import torch
@@ -99,6 +101,10 @@ class Device:
         """The most device memory tensors held at once (None where host memory is the device's)."""
         return None
 
+    def processor(self) -> str:
+        """What computes: the CPU's or GPU's model, as figures measured on it are kept under."""
+        return self.name
+
 
 class HostEvent:
     """An event on a device with one memory: everything queued has already run when it is made."""
@@ -123,6 +129,15 @@ class CpuDevice(Device):
 
     def compute_stream(self):
         return self._STREAM
+
+    def processor(self) -> str:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return platform.processor() or "cpu"
 
     def new_stream(self):
         return self._STREAM
@@ -156,6 +171,9 @@ class CudaDevice(Device):
         index = torch_device.index if torch_device.index is not None else torch.cuda.current_device()
         self.torch_device = torch.device("cuda", index)
         self.name = str(self.torch_device)
+
+    def processor(self) -> str:
+        return torch.cuda.get_device_name(self.torch_device)
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.torch_device)

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 from zerolite.planner.cost import Job
 from zerolite.planner.hardware import Hardware
+from zerolite.planner.machine import measure_disk
 from zerolite.planner.model_costs import ModelCosts
 from zerolite.planner.model_source import ModelSource
 from zerolite.planner.search import Choice, Pins, search
+from zerolite.runtime.policy import parse_size
 
 
 def choose_for_job(load: dict, prompts: int, prompt_tokens: int, new_tokens: int, batch_size: int | None,
                    device: str) -> Choice:
     """load: zerolite.load's keywords as generate took them (model, path, dtype, weights, and the
     policy's cpu_memory, prefetch_depth, kv_offload, offload); device: "cpu" or "cuda"."""
-    from zerolite.profile.machine import measure_disk
-    from zerolite.runtime.policy import parse_size
-
     source = ModelSource.resolve(load.get("model"), load.get("dtype"), load.get("path"))
     costs = ModelCosts.from_config(source.config, source.dtype, source.name)
     hardware = Hardware.here(device, source.disk_target, source.dtype, measure_disk=measure_disk,

@@ -19,8 +19,10 @@ import psutil
 import torch
 
 from zerolite.errors import ZeroliteError
+from zerolite.io.device import resolve
 from zerolite.planner import measurements
 from zerolite.planner.compute_probe import PROBE_LAYER_MAX_BYTES, probe_compute, probe_layer
+from zerolite.planner.machine import measure_host_to_device
 
 BANDWIDTH_UNITS = {"gb/s": 1.0, "mb/s": 1e-3, "tb/s": 1e3, "gib/s": 2**30 / 1e9, "mib/s": 2**20 / 1e9}
 FLOPS_UNITS = {"tflops": 1.0, "tflop/s": 1.0, "gflops": 1e-3, "gflop/s": 1e-3, "pflops": 1e3, "pflop/s": 1e3}
@@ -60,14 +62,15 @@ class Hardware:
     def here(cls, device: str, disk_target, dtype: torch.dtype, measure_disk=None, probe: bool = True,
              disk_gbps: float | None = None, model=None) -> Hardware:
         """This machine: memory free now, the disk's rate as last recorded for that file system
-        (else measured now, through measure_disk(folder) -> zerolite.profile.machine.measure_disk's
+        (else measured now, through measure_disk(folder) -> zerolite.planner.machine.measure_disk's
         figures, unless given), copies and compute
         as recorded (else measured now; compute only with probe)."""
         sources = {}
-        gpu = device.startswith("cuda")
+        target = resolve(device)
+        gpu = target.separate_memory
         host_ram = psutil.virtual_memory().available
         sources["host_ram"] = "free now"
-        gpu_ram = torch.cuda.mem_get_info(torch.device(device))[0] if gpu else 0
+        gpu_ram = target.memory()[0] if gpu else 0
         if gpu:
             sources["gpu_ram"] = "free now"
         fs = measurements.file_system(disk_target)
@@ -87,14 +90,12 @@ class Hardware:
         sources["fill_gbps"] = "recorded" if fill is not None else "assumed: the disk's rate"
         h2d = measurements.value("h2d_gbps") if gpu else None
         if gpu and h2d is None:
-            from zerolite.io.device import resolve
-            from zerolite.profile.machine import measure_host_to_device
-            h2d = measure_host_to_device(resolve(device))
+            h2d = measure_host_to_device(target)
             measurements.record("h2d_gbps", h2d)
-        key = measurements.compute_key(device, dtype)
+        key = measurements.compute_key(target, dtype)
         compute = measurements.value(key, "compute") if probe else None
         if compute is None and probe:
-            compute = probe_compute(device, dtype)
+            compute = probe_compute(target, dtype)
             measurements.record(key, compute, "compute")
             sources["compute"] = "measured now"
         elif probe:
@@ -107,7 +108,7 @@ class Hardware:
             layer_key = f"{key} | {config_digest(config)}"
             probed = measurements.value(layer_key, "layers")
             if probed is None and layer_bytes <= PROBE_LAYER_MAX_BYTES:
-                probed = probe_layer(config, dtype, device)
+                probed = probe_layer(config, dtype, target)
                 measurements.record(layer_key, probed, "layers")
             if probed is not None:
                 layer, step = ({int(rows): s for rows, s in probed[part].items()} for part in ("layer", "step"))

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from zerolite.convert.paths import cache_dir
+from zerolite.io.device import Device
 
 FILE = "machine.json"
 DISK_RECORDED_BYTES = 256 << 20   # a disk read over fewer bytes says more about latency than rate: not kept
@@ -73,20 +73,7 @@ def file_system(folder: str | os.PathLike) -> str:
     return str(target.stat().st_dev)
 
 
-def compute_key(device: str, dtype: torch.dtype) -> str:
-    """Compute rates are kept per processor, dtype and torch version."""
-    if device.startswith("cuda"):
-        processor = torch.cuda.get_device_name(torch.device(device))
-    else:
-        processor = cpu_model() or platform.processor()
-    return f"{processor} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')} | torch {torch.__version__}"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+def compute_key(device: Device, dtype: torch.dtype) -> str:
+    """Compute rates are kept per processor, threads, dtype and torch version."""
+    return (f"{device.processor()} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')} | "
+            f"torch {torch.__version__}")

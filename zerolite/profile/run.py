@@ -25,7 +25,7 @@ from zerolite.layout.manifest import DTYPES
 from zerolite.layout.read_pass import read_pass
 from zerolite.lm import OffloadedLM
 from zerolite.openmp import threads_may_spin
-from zerolite.profile.machine import measure_host_to_device
+from zerolite.planner.machine import measure_host_to_device
 from zerolite.runtime.timeline import Span, Timeline
 
 WAITING = 0.15  # compute waiting less than this share of a step is not held up by transfers

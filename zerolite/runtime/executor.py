@@ -36,7 +36,6 @@ from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.moe.cache import ExpertCache
 from zerolite.moe.counts import ExpertCounts
 from zerolite.moe.routing import ExpertRouting, streamed_per_expert
-from zerolite.planner import measurements
 from zerolite.quant.linear import dequantize_resident, keeps_dense
 from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
@@ -49,7 +48,6 @@ from zerolite.runtime.slots import Slots
 from zerolite.runtime.timeline import NO_TIMELINE
 
 GENERATION_CONFIG = "generation_config.json"
-FILL_RECORDED_BYTES = 256 << 20  # a host tier this large (or more) records how fast it filled
 
 
 class Executor:
@@ -86,11 +84,11 @@ class Executor:
                 self._bindings[name].bind(memory.bytes_of(name))
         if keeps_dense(device, policy.offload):
             dequantize_resident(self.model, manifest, plan.resident)
-        self._loaded_bytes = self.disk.bytes_read
+        self.loaded_bytes = self.disk.bytes_read  # read while loading: the resident blocks and the host tier
         # The disk's speed as loading saw it: reading blocks again just to time the disk would make
         # some disks (virtual ones, whose host caches below the guest) serve the run that follows slower.
         self.load_read_gbps = (memory.read_gbps if isinstance(memory, NodeCopy)
-                               else self._loaded_bytes / max(time.perf_counter() - started, 1e-9) / 1e9)
+                               else self.loaded_bytes / max(time.perf_counter() - started, 1e-9) / 1e9)
         slot_bytes = max((manifest.block(name).length for name in plan.streamed), default=0)
         # Unpinned: a hit is copied on the host into the slot's read buffer, never from the entry to
         # the GPU, and pinning each entry as it is made would register memory on the hot path.
@@ -120,7 +118,7 @@ class Executor:
     @property
     def bytes_read(self) -> int:
         """Bytes streamed from disk since loading finished."""
-        return self.disk.bytes_read - self._loaded_bytes
+        return self.disk.bytes_read - self.loaded_bytes
 
     def expert_counts(self) -> ExpertCounts:
         """Running totals of streaming per expert: expert bytes read, cache hits, guesses."""
@@ -197,12 +195,7 @@ def host_memory(disk: DiskStore, plan: Plan, device: Device, world: World, progr
     (host memory is the device's there)."""
     if world.local_size > 1:
         return NodeCopy.load(disk, list(plan.in_host(device.separate_memory)), device, world, progress)
-    started = time.perf_counter()
-    store = MemoryStore.load(disk, list(plan.in_memory), device.pinned_empty, progress)
-    nbytes = sum(disk.entry(name).length for name in plan.in_memory)
-    if nbytes >= FILL_RECORDED_BYTES:  # what filling host memory costs here, for zerolite plan
-        measurements.record("fill_gbps", round(nbytes / (time.perf_counter() - started) / 1e9, 3))
-    return store
+    return MemoryStore.load(disk, list(plan.in_memory), device.pinned_empty, progress)
 
 
 def build_model(layout: Layout, device: torch.device) -> nn.Module:
