@@ -148,7 +148,7 @@ def test_generate_streams_every_layer_for_a_short_job_and_holds_them_for_a_long_
     layout = make_layout("llama", layers=3)
     layer_bytes = Layout.open(layout).manifest.block("layers.0").length
     measurements.record(measurements.file_system(layout), layer_bytes / 0.1 / 1e9, "disk_gbps")
-    measurements.record("fill_gbps", layer_bytes / 0.3 / 1e9)
+    measurements.record_fill(layer_bytes, 0.3)
     for prompts, tokens, held in ((1, 2, 0), (16, 24, 3)):
         file = tmp_path / f"prompts-{prompts}.jsonl"
         file.write_text("".join(json.dumps({"id": i, "input_ids": [5, 9, 3, 7]}) + "\n" for i in range(prompts)))
@@ -157,3 +157,10 @@ def test_generate_streams_every_layer_for_a_short_job_and_holds_them_for_a_long_
         assert result.code == 0, result.stderr
         assert f"{held} layers in host memory" in result.stderr, result.stderr
         assert ("layers streamed from disk" in result.stderr) == (held < 3), result.stderr
+
+
+def test_the_fill_rate_is_every_loads_bytes_over_its_seconds(machine):
+    """A small load warm in the caches below the guest must not speak for a large cold one."""
+    measurements.record_fill(1_000_000_000, 0.3)
+    measurements.record_fill(20_000_000_000, 22.0)
+    assert measurements.fill_gbps() == pytest.approx(21 / 22.3)

@@ -291,7 +291,7 @@ def load(
             draft_lm.close()
         raise
     if world.leads and executor.loaded_bytes >= FILL_RECORDED_BYTES:  # what filling memory costs here, for zerolite plan
-        measurements.record("fill_gbps", round(executor.load_read_gbps, 3))
+        measurements.record_fill(executor.loaded_bytes, executor.loaded_bytes / executor.load_read_gbps / 1e9)
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s, world)
 
 

@@ -86,8 +86,8 @@ class Hardware:
             sources["disk_gbps"] = f"recorded ({measurements.path()})"
         if disk is None:
             raise ZeroliteError("no disk rate is recorded for this file system: run zerolite profile once, or give --disk-gbps")
-        fill = measurements.value("fill_gbps")
-        sources["fill_gbps"] = "recorded" if fill is not None else "assumed: the disk's rate"
+        fill = measurements.fill_gbps()
+        sources["fill_gbps"] = "recorded: every load's bytes over its seconds" if fill is not None else "assumed: the disk's rate"
         h2d = measurements.value("h2d_gbps") if gpu else None
         if gpu and h2d is None:
             h2d = measure_host_to_device(target)

@@ -59,6 +59,19 @@ def record_disk(folder, gbps: float, nbytes: int) -> None:
         record(file_system(folder), gbps, "disk_gbps")
 
 
+def record_fill(nbytes: int, seconds: float) -> None:
+    """A load that filled memory: kept as running totals, so that the rate is bytes over seconds of
+    every load recorded, and a large cold load outweighs small ones (a small load may find its
+    pages warm in caches below the guest, and fill several times faster than a large one)."""
+    totals = value("fill") or {"bytes": 0, "seconds": 0.0}
+    record("fill", {"bytes": totals["bytes"] + nbytes, "seconds": totals["seconds"] + seconds})
+
+
+def fill_gbps() -> float | None:
+    totals = value("fill")
+    return totals["bytes"] / totals["seconds"] / 1e9 if totals and totals["seconds"] > 0 else None
+
+
 def value(key: str, under: str | None = None):
     data = recorded()
     entry = (data.get(under, {}) if under else data).get(key)
