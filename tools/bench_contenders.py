@@ -30,8 +30,9 @@ def zerolite_model(args, offload: str, layout: str | None = None, **policy):
 
 
 def zerolite_measures(lm) -> dict:
-    """What a zerolite run reports besides its times: bytes read, and the layers it held in host memory."""
-    return {"bytes_read": lambda: lm.bytes_read, "held_layers": lambda: len(lm.plan.in_memory)}
+    """What a zerolite run reports besides its times: bytes read, the layers it held in host memory, its ring."""
+    return {"bytes_read": lambda: lm.bytes_read, "held_layers": lambda: len(lm.plan.in_memory),
+            "prefetch_depth": lambda: lm.policy.prefetch_depth}
 
 
 def zerolite_in_place(args):
@@ -56,7 +57,7 @@ def zerolite_in_place_default(args):
 
 
 def zerolite_in_place_planned(args):
-    """In place with the host budget zerolite generate takes for this job (zerolite plan's search:
+    """In place with the host budget and prefetch depth zerolite generate takes for this job (zerolite plan's search:
     args.batch_size prompts of args.prompt_tokens, args.new_tokens each); prepare_s: the planning."""
     import zerolite
     from zerolite.planner.for_job import choose_for_job
@@ -65,7 +66,8 @@ def zerolite_in_place_planned(args):
     started = time.perf_counter()
     best = choose_for_job(load, args.batch_size, args.prompt_tokens, args.new_tokens, args.batch_size, args.device).best
     prepare_s = time.perf_counter() - started
-    lm = zerolite.load(**{**load, "cpu_memory": best.cpu_memory}, device=args.device, show_progress=False)
+    lm = zerolite.load(**{**load, "cpu_memory": best.cpu_memory}, prefetch_depth=best.candidate.prefetch_depth,
+                       device=args.device, show_progress=False)
     return lm, {**zerolite_measures(lm), "prepare_s": lambda: prepare_s}
 
 
@@ -287,7 +289,7 @@ def main() -> None:
         "step_s": steps, "tokens": tokens.tolist(),
         "peak_rss_bytes": own_peak_rss(),
     }
-    for measure in ("bytes_read", "prepare_s", "held_layers"):
+    for measure in ("bytes_read", "prepare_s", "held_layers", "prefetch_depth"):
         if measure in extras:
             result[measure] = extras[measure]()
     Path(args.out).write_text(json.dumps(result))

@@ -122,9 +122,9 @@ def plan_predictor(source: Path, args):
     hardware = Hardware.here("cpu", model.disk_target, model.dtype, measure_disk=measure_disk,
                              model=(model.config, costs.formats["stored"].layer_bytes))
 
-    def step(batch: int, weights: str, held: int) -> float:
+    def step(batch: int, weights: str, held: int, depth: int) -> float:
         job = Job(args.prompt_tokens, args.new_tokens, batch)
-        return predict(costs, hardware, Candidate(weights, batch, held), job).decode_step_s
+        return predict(costs, hardware, Candidate(weights, batch, held, prefetch_depth=depth), job).decode_step_s
 
     return step
 
@@ -196,7 +196,7 @@ def main() -> None:
             shutil.rmtree(args.folder, ignore_errors=True)
     table = Table(title=f"a {SCALE_CONFIG['num_hidden_layers']}-layer Llama of hidden {SCALE_CONFIG['hidden_size']} in bf16, "
                         f"{args.new_tokens} new tokens, page cache dropped before each run")
-    for column in ("run", "batch", "held layers", "first token s", "decode step s", "plan predicts s", "step / read pass",
+    for column in ("run", "batch", "held layers", "depth", "first token s", "decode step s", "plan predicts s", "step / read pass",
                    "peak RSS GB", "disk GB"):
         table.add_column(column, justify="left" if column == "run" else "right")
     read_pass = results.get("read-pass", {}).get("step_s", [None])[0]
@@ -206,8 +206,10 @@ def main() -> None:
         step = statistics.median(result["step_s"]) if result["step_s"] else float("nan")
         held = result.get("held_layers")
         if held is not None:
-            result["predicted_step_s"] = predictor(RUNS[run][1], "int4" if run == "int4" else "stored", held)
-        table.add_row(run, str(RUNS[run][1]), "-" if held is None else str(held), f"{result['ready_s'] + result['prefill_s']:.1f}",
+            result["predicted_step_s"] = predictor(RUNS[run][1], "int4" if run == "int4" else "stored", held,
+                                                   result["prefetch_depth"])
+        table.add_row(run, str(RUNS[run][1]), "-" if held is None else str(held), str(result.get("prefetch_depth", "-")),
+                      f"{result['ready_s'] + result['prefill_s']:.1f}",
                       f"{step:.2f}", f"{result['predicted_step_s']:.2f}" if held is not None else "-",
                       f"{step / read_pass:.2f}x" if read_pass else "-", f"{result['peak_rss_bytes'] / 1e9:.1f}",
                       f"{result['disk_bytes'] / 1e9:.3f}")

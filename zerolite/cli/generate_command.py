@@ -79,7 +79,7 @@ def generate(
         if batch is not None:  # before minutes of loading (auto sizes are checked once known)
             world.each(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
         chosen_batch, planned = None, None
-        if world.size == 1 and draft is None and load["offload"] == "nvme" and (batch is None or load["cpu_memory"] is None):
+        if world.size == 1 and draft is None and load["offload"] == "nvme" and None in (batch, load["cpu_memory"], load["prefetch_depth"]):
             chosen_batch, load, planned = plan_the_job(load, [p for p in todo if p.id not in done], max_new_tokens, batch)
         lm = stack.enter_context(options.load_model(load, world=world))
 
@@ -120,17 +120,20 @@ def generate(
 
 
 def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) -> tuple[int | None, dict, str | None]:
-    """zerolite plan's search for this job, for what the user left open: the batch (auto) and the
-    host budget. Returns the batch it chose (None where it was given), load with the budget set,
+    """zerolite plan's search for this job, for what the user left open: the batch (auto), the
+    host budget and the prefetch depth. Returns the batch it chose (None where it was given), load with the budget set,
     and a line saying so. Where the planner cannot say (no config it can read, a model it thinks
     cannot fit), the defaults stand: the loader's own checks have the last word."""
     from zerolite.io.device import cuda_available
     from zerolite.planner.for_job import choose_for_job
+    from zerolite.runtime.policy import Policy
 
     longest = max((len(p.input_ids) if p.input_ids is not None else len(p.text or "") // 3 + 1 for p in prompts), default=1)
+    try:
+        Policy(device=load["device"])
+    except ZeroliteError:
+        return None, load, None  # the loader says what is wrong with it
     device = load["device"] if load["device"] != "auto" else ("cuda" if cuda_available() else "cpu")
-    if device.startswith("cuda") and not cuda_available():
-        return None, load, None  # the loader says what is wrong with that
     try:
         best = choose_for_job(load, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), device).best
     except ZeroliteError as e:
@@ -142,6 +145,9 @@ def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) 
     if load["cpu_memory"] is None:
         load = {**load, "cpu_memory": best.cpu_memory}
         chosen.append(f"{c.host_layers} layers in host memory")
+    if load["prefetch_depth"] is None:
+        load = {**load, "prefetch_depth": c.prefetch_depth}
+        chosen.append(f"prefetch depth {c.prefetch_depth}")
     line = (f"plan for {len(prompts)} prompts x {new_tokens} tokens: {', '.join(chosen)} ({c.weights} weights; predicted "
             f"{best.tokens_per_s:.1f} tokens/s, {best.bottleneck}-bound, {best.fill_s:.1f} s filling memory; zerolite plan says why)")
     return (c.batch_size if batch is None else None), load, line

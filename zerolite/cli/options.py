@@ -32,9 +32,10 @@ LayoutPath = Annotated[Path | None, typer.Option(
     "is converted; or a layout to run (default: zerolite's cache).")]
 Device = Annotated[str, typer.Option(help="cuda, cpu, or auto (cuda when available).")]
 Dtype = Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 when converting (default: the config's dtype).")]
-PrefetchDepth = Annotated[int, typer.Option(
-    min=1, help="Slots in the ring: 2 reads the next block while one computes (a --draft deepens it, so that the "
-    "disk reads on while the draft guesses).")]
+PrefetchDepth = Annotated[int | None, typer.Option(
+    min=1, help="Slots in the ring: 2 reads the next block while one computes; more keep the disk reading while "
+    "layers held in memory compute (default: generate takes zerolite plan's choice for the job, else 2; a --draft "
+    "deepens it, so that the disk reads on while the draft guesses).", show_default=False)]
 GpuMemory = Annotated[str | None, typer.Option(
     "--gpu-memory", help="Blocks to keep resident on the GPU, as 20GB or 18GiB (default: what is free, less headroom).",
     show_default=False)]
@@ -68,7 +69,7 @@ LOAD_OPTIONS = {
     "path": (LayoutPath, None),
     "device": (Device, "auto"),
     "dtype": (Dtype, None),
-    "prefetch_depth": (PrefetchDepth, 2),
+    "prefetch_depth": (PrefetchDepth, None),
     "gpu_memory": (GpuMemory, None),
     "cpu_memory": (CpuMemory, None),
     "kv_offload": (KvOffload, 0.0),
@@ -101,7 +102,8 @@ def load_model(load: dict, **more):
     timeline, show_progress)."""
     from zerolite.lm import load as load_lm
 
-    return load_lm(**load, **more)
+    given = {name: value for name, value in load.items() if not (name == "prefetch_depth" and value is None)}
+    return load_lm(**given, **more)
 
 
 def flag(parameter: str) -> str:

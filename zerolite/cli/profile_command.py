@@ -70,7 +70,7 @@ def profile(
         write_trace(timeline, trace)
     if plot is not None:
         plot_timeline(timeline, plot, report.verdict,
-                      f"{load['offload']} offload, depth {load['prefetch_depth']}, batch {batch_size}, {report.decode_step_s * 1e3:.0f} ms per decode step")
+                      f"{load['offload']} offload, depth {lm.policy.prefetch_depth}, batch {batch_size}, {report.decode_step_s * 1e3:.0f} ms per decode step")
     if world.distributed:
         totals = rank_totals(every)
         if as_json:

@@ -9,7 +9,8 @@ Per decode step:
   compute  = each layer's weights multiplied by the batch's rows (the probe's rate for that format
              and row count), attention over the context, and the head
   step     = max(disk, copy, compute) with two slots or more (the ring overlaps them), their sum
-             with one
+             with one; the disk idles, though, while the layers held in memory compute longer
+             than it takes to fill the ring (prefetch_depth blocks) ahead of the disk's stretch
 A routed mixture of experts reads and multiplies only the experts its tokens pick: the expected
 distinct experts of a random router (ModelCosts.expected_experts), and reads some guessed experts
 no token picks (WRONG_GUESSES, from zerolite profile's early_unused_experts_per_step on the MoE
@@ -118,8 +119,13 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         if hardware.gpu:
             kv_now = c.kv_offload * b * tokens_in_context * costs.kv_bytes_per_token
             copy = (streamed_layers * moved + (0 if prefill else kv_now)) / (hardware.h2d_gbps * 1e9)
-        compute = layers * layer_compute(rows, tokens_in_context, prefill) + step_overhead(rows)
-        compute += hardware.seconds("stored", costs.head_weights, b)
+        per_layer = layer_compute(rows, tokens_in_context, prefill)
+        compute = layers * per_layer + step_overhead(rows) + hardware.seconds("stored", costs.head_weights, b)
+        if disk_layers:
+            # While the layers held in memory compute, the disk reads ahead only as far as the ring
+            # reaches, prefetch_depth blocks; the rest of that time it idles.
+            held = compute - disk_layers * per_layer
+            disk += max(held - c.prefetch_depth * moved / rate, 0.0)
         total = max(disk, copy, compute) if c.prefetch_depth >= 2 else disk + copy + compute
         return total, disk, copy, compute
 

@@ -22,7 +22,7 @@ from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
 
 BATCH_SIZES = tuple(2**k for k in range(11))   # 1 .. 1024
 KV_OFFLOADS = (0.0, 0.25, 0.5, 0.75, 1.0)
-PREFETCH_DEPTHS = (2, 3, 4)
+PREFETCH_DEPTHS = (2, 3, 4, 6, 8, 12, 16)  # deep rings keep the disk reading while held layers compute
 TIER_STEPS = 8                                  # host-tier sizes tried between none and all that fit
 
 
