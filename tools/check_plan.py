@@ -6,7 +6,7 @@ Run as root (the page cache is dropped before each run).
 
 1. The disk's rate, recorded for plan: the engine's cold read of the dense layout (zerolite profile --disk).
 2. The grid: each model x {every layer streamed (--cpu-memory 0), half the layers in host memory} x
-   batch {1, 16}. For each, `zerolite plan --json` and `zerolite generate` take the same flags; the
+   batch {1, 16} (the prefetch depth, not given, is plan's in both the plan and the run). For each, `zerolite plan --json` and `zerolite generate` take the same flags; the
    table sets the predicted decode step beside the measured one (generate's decode seconds over its
    decode steps).
 3. For each model and batch, plan's own choice (the tiers and prefetch depth searched, for this job:
