@@ -52,6 +52,7 @@ def test_plan_from_a_config_alone_prints_the_fields_and_pins_what_it_is_given(ma
         (3, "int8", 0, 4, 3)
     assert pinned["command"][pinned["command"].index("--batch-size"):] == \
         ["--batch-size", "3", "--cpu-memory", "0", "--prefetch-depth", "3"] and "--weights" in pinned["command"]
+    assert chosen["command"][-2] == "--prefetch-depth"  # every choice given: generate plans nothing anew
 
 
 def test_a_pinned_host_budget_keeps_the_layers_generate_keeps(machine, capsys, monkeypatch, make_layout):

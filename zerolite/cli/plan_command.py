@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from zerolite.cli.app import app
-from zerolite.cli.options import CpuMemory, GpuMemory, KvOffload, LayoutPath, Model, parse_batch_size
+from zerolite.cli.options import CpuMemory, GpuMemory, LayoutPath, Model, parse_batch_size
 from zerolite.errors import ZeroliteError
 
 
@@ -18,6 +17,10 @@ from zerolite.errors import ZeroliteError
 def rate_option(flag: str, help: str):
     return Annotated[str | None, typer.Option(flag, help=help, show_default=False)]
 
+
+DiskGbps = rate_option("--disk-gbps", "The disk's read rate, as 5.6GB/s (default: as zerolite profile last measured it here).")
+H2dGbps = rate_option("--h2d-gbps", "Host-to-GPU copies, as 25GB/s (default: measured here).")
+GpuTflops = rate_option("--gpu-tflops", "The GPU's dense matmul rate in its dtype, as 77TFLOPS (default: this machine's, measured).")
 
 @app.command()
 def plan(
@@ -40,9 +43,9 @@ def plan(
     gpu_memory: GpuMemory = None,
     host_ram: Annotated[str | None, typer.Option("--host-ram", help="Describe another machine: its host memory, as 252GB.", show_default=False)] = None,
     gpu_ram: Annotated[str | None, typer.Option("--gpu-ram", help="Describe another machine: its GPU's memory, as 48GB.", show_default=False)] = None,
-    disk_gbps: rate_option("--disk-gbps", "The disk's read rate, as 5.6GB/s (default: as zerolite profile last measured it here).") = None,
-    h2d_gbps: rate_option("--h2d-gbps", "Host-to-GPU copies, as 25GB/s (default: measured here).") = None,
-    gpu_tflops: rate_option("--gpu-tflops", "The GPU's dense matmul rate in its dtype, as 77TFLOPS (default: this machine's, measured).") = None,
+    disk_gbps: DiskGbps = None,
+    h2d_gbps: H2dGbps = None,
+    gpu_tflops: GpuTflops = None,
 ) -> None:
     """Choose the batch size, weight format, tiers, K/V offload and prefetch depth for the most tokens/s
     (or, with --latency, the least time per prompt), and predict prefill, decode step and what limits it.
@@ -93,7 +96,7 @@ def plan(
     job = Job(prompt_tokens, new_tokens, prompts)
     choice = search(costs, hardware, job, pins, latency=latency or pins.batch_size == 1)
     best = choice.best
-    command = generate_command(model, best, costs)
+    command = generate_command(model, best, hardware.gpu)
     if as_json:
         typer.echo(json.dumps(plan_dict(best, costs, hardware, command), indent=2))
         return
@@ -106,20 +109,18 @@ def measure_disk_rate(target) -> dict:
     return measure_disk(target, scratch_bytes=1 << 30)
 
 
-def generate_command(model: str | None, best, costs) -> list[str]:
-    """The generate flags that run the chosen policy."""
+def generate_command(model: str | None, best, gpu: bool) -> list[str]:
+    """The generate flags that run the chosen policy: every choice given, so that generate plans nothing anew."""
     c = best.candidate
     words = ["zerolite", "generate"] + (["--model", str(model)] if model else [])
     if c.weights != "stored":
         words += ["--weights", c.weights]
     words += ["--batch-size", str(c.batch_size), "--cpu-memory", megabytes(best.cpu_memory)]
-    if best.gpu_memory and costs is not None and c.gpu_layers:
+    if gpu:
         words += ["--gpu-memory", megabytes(best.gpu_memory)]
     if c.kv_offload:
         words += ["--kv-offload", f"{c.kv_offload:g}"]
-    if c.prefetch_depth != 2:
-        words += ["--prefetch-depth", str(c.prefetch_depth)]
-    return words
+    return words + ["--prefetch-depth", str(c.prefetch_depth)]
 
 
 def megabytes(nbytes: int) -> str:

@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from zerolite.io.device import CpuDevice, Device
+from zerolite.io.device import Device
 from zerolite.quant.linear import Int4Linear, Int8Linear
 from zerolite.quant.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme
 
