@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 from zerolite.convert.checkpoint import build_meta_model
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT
-from zerolite.layout.blocks import partition, stored_tensors
+from zerolite.layout.blocks import module_path, partition, stored_tensors
 from zerolite.quant.quantize import WeightScheme, quantizable_linears
 
 WEIGHT_FORMATS = ("stored", "int8", "int4")
@@ -32,7 +32,6 @@ class FormatCosts:
     layer_bytes: int        # the widest decoder layer, 4 KiB-aligned as a layout stores it
     always_bytes: int       # the embeddings, final norm and head (never quantized)
     expert_bytes: int       # one expert of one layer (0 for a dense model)
-    bytes_per_weight: float  # a quantized linear weight's bytes per element, scales included
 
 
 @dataclass(frozen=True)
@@ -73,20 +72,20 @@ class ModelCosts:
         layer = {n: tensors[n] for n in widest.tensor_names}
         expert_names = [n for n in layer if is_expert(n)]
         expert_weights = sum(layer[n].numel() for n in expert_names) // max(experts, 1)
-        linear_weights = sum(targets[n.removesuffix(".weight")].out_features * targets[n.removesuffix(".weight")].in_features
-                             for n in layer if n.removesuffix(".weight") in targets and n.endswith(".weight"))
+        layer_linears = {path: shape for path, shape in targets.items()
+                         if path.startswith(module_path(parts.layers_path, widest.name) + ".")}
+        linear_weights = sum(shape.out_features * shape.in_features for shape in layer_linears.values())
         formats = {"stored": FormatCosts(aligned(sum(t.nbytes for t in layer.values())), always,
-                                         sum(layer[n].nbytes for n in expert_names) // max(experts, 1), dtype.itemsize)}
+                                         sum(layer[n].nbytes for n in expert_names) // max(experts, 1))}
         for weights in ("int8", "int4"):
             scheme = WeightScheme.parse(weights)
             try:
-                scheme.check({p: s for p, s in targets.items() if p.startswith(f"{parts.layers_path}.{widest.name[7:]}.")})
+                scheme.check(layer_linears)
             except ZeroliteError:
                 continue
             stored = scheme.meta_tensors(layer, targets)
             formats[weights] = FormatCosts(aligned(sum(t.nbytes for t in stored.values())), always,
-                                           formats["stored"].expert_bytes,
-                                           quantized_bytes_per_weight(layer, stored, linear_weights, dtype))
+                                           formats["stored"].expert_bytes)
         heads = int(text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -107,13 +106,6 @@ class ModelCosts:
         if not self.experts:
             return 0.0
         return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
-
-
-def quantized_bytes_per_weight(layer: dict, stored: dict, linear_weights: int, dtype: torch.dtype) -> float:
-    """Bytes per linear weight in a quantized layer: the quantized tensors and their scales over
-    the weights they stand for."""
-    changed = {n for n in stored if n not in layer or stored[n].dtype != layer[n].dtype or stored[n].shape != layer[n].shape}
-    return sum(stored[n].nbytes for n in changed) / max(linear_weights, 1)
 
 
 def aligned(nbytes: int) -> int:
