@@ -112,15 +112,10 @@ def plan_predictor(source: Path, args):
     """predict(batch, weights, held layers) -> zerolite plan's decode step for that policy, from
     what is recorded of this machine now (the disk's rate, compute probed once)."""
     from zerolite.planner.cost import Candidate, Job, predict
-    from zerolite.planner.hardware import Hardware
-    from zerolite.planner.machine import measure_disk
-    from zerolite.planner.model_costs import ModelCosts
+    from zerolite.planner.for_job import model_and_machine
     from zerolite.planner.model_source import ModelSource
 
-    model = ModelSource.resolve(str(source), None, None)
-    costs = ModelCosts.from_config(model.config, model.dtype, model.name)
-    hardware = Hardware.here("cpu", model.disk_target, model.dtype, measure_disk=measure_disk,
-                             model=(model.config, costs.formats["stored"].layer_bytes))
+    costs, hardware = model_and_machine(ModelSource.resolve(str(source), None, None), "cpu")
 
     def step(batch: int, weights: str, held: int, depth: int) -> float:
         job = Job(args.prompt_tokens, args.new_tokens, batch)

@@ -124,7 +124,6 @@ def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) 
     host budget and the prefetch depth. Returns the batch it chose (None where it was given), load with the budget set,
     and a line saying so. Where the planner cannot say (no config it can read, a model it thinks
     cannot fit), the defaults stand: the loader's own checks have the last word."""
-    from zerolite.io.device import cuda_available
     from zerolite.planner.for_job import choose_for_job
     from zerolite.runtime.policy import Policy
 
@@ -133,9 +132,8 @@ def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) 
         Policy(device=load["device"])
     except ZeroliteError:
         return None, load, None  # the loader says what is wrong with it
-    device = load["device"] if load["device"] != "auto" else ("cuda" if cuda_available() else "cpu")
     try:
-        best = choose_for_job(load, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), device).best
+        best = choose_for_job(load, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), load["device"]).best
     except ZeroliteError as e:
         return None, load, f"plan: none for this job ({e}); the default budgets stand"
     c = best.candidate

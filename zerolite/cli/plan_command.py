@@ -13,7 +13,6 @@ from zerolite.cli.options import CpuMemory, GpuMemory, LayoutPath, Model, parse_
 from zerolite.errors import ZeroliteError
 
 
-
 def rate_option(flag: str, help: str):
     return Annotated[str | None, typer.Option(flag, help=help, show_default=False)]
 
@@ -21,6 +20,7 @@ def rate_option(flag: str, help: str):
 DiskGbps = rate_option("--disk-gbps", "The disk's read rate, as 5.6GB/s (default: as zerolite profile last measured it here).")
 H2dGbps = rate_option("--h2d-gbps", "Host-to-GPU copies, as 25GB/s (default: measured here).")
 GpuTflops = rate_option("--gpu-tflops", "The GPU's dense matmul rate in its dtype, as 77TFLOPS (default: this machine's, measured).")
+
 
 @app.command()
 def plan(
@@ -50,20 +50,17 @@ def plan(
     """Choose the batch size, weight format, tiers, K/V offload and prefetch depth for the most tokens/s
     (or, with --latency, the least time per prompt), and predict prefill, decode step and what limits it.
     Works from the model's config alone; any choice given as a flag is pinned, as generate takes it."""
-    from zerolite.io.device import cuda_available
     from zerolite.planner.cost import Job
-    from zerolite.planner.hardware import Hardware, parse_bandwidth, parse_flops
-    from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
+    from zerolite.planner.for_job import model_and_machine
+    from zerolite.planner.hardware import parse_bandwidth, parse_flops
+    from zerolite.planner.model_costs import WEIGHT_FORMATS
     from zerolite.planner.model_source import ModelSource
     from zerolite.planner.search import Pins, search
-    from zerolite.runtime.policy import parse_size
+    from zerolite.runtime.policy import Policy, parse_size
 
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ZeroliteError(f"unknown --weights {weights!r}: choose stored, int8 or int4")
-    if offload is not None and offload not in ("nvme", "cpu", "none"):
-        raise ZeroliteError(f"unknown --offload {offload!r}: choose nvme, cpu or none")
-    if kv_offload is not None and not 0 <= kv_offload <= 1:
-        raise ZeroliteError(f"--kv-offload is a share of the layers: give a number from 0 to 1, not {kv_offload}")
+    Policy(offload=offload or "nvme", device=device, kv_offload=kv_offload or 0.0)  # generate's checks of those flags
     flags = {
         "disk_gbps": parse_bandwidth(disk_gbps, "--disk-gbps") if disk_gbps else None,
         "h2d_gbps": parse_bandwidth(h2d_gbps, "--h2d-gbps") if h2d_gbps else None,
@@ -77,18 +74,12 @@ def plan(
         raise ZeroliteError(f"{model} is a layout of {layout_weights} weights: leave out --weights, or plan its "
                             "checkpoint to choose the format")
     described_gpu = flags["gpu_tflops"] is not None or flags["gpu_ram"] is not None
-    here = device if device != "auto" else ("cuda" if cuda_available() else "cpu")
     if described_gpu and (flags["gpu_ram"] is None or flags["h2d_gbps"] is None or flags["gpu_tflops"] is None):
         raise ZeroliteError("a GPU other than this machine's needs --gpu-ram, --h2d-gbps and --gpu-tflops, as in "
                             "--gpu-ram 48GB --h2d-gbps 25GB/s --gpu-tflops 77TFLOPS")
-    costs = ModelCosts.from_config(source.config, source.dtype, source.name)
-    hardware = Hardware.here(here if not described_gpu else "cpu", source.disk_target, source.dtype,
-                             measure_disk=measure_disk_rate, probe=not described_gpu, disk_gbps=flags["disk_gbps"],
-                             model=(source.config, costs.formats["stored"].layer_bytes))
-    if described_gpu:
-        hardware = hardware.with_flags(gpu=True, **flags)
-    else:
-        hardware = hardware.with_flags(**flags)
+    costs, hardware = model_and_machine(source, "cpu" if described_gpu else device, measure_disk=measure_disk_rate,
+                                        probe=not described_gpu, disk_gbps=flags["disk_gbps"])
+    hardware = hardware.with_flags(**flags, **({"gpu": True} if described_gpu else {}))
     pins = Pins(weights=weights or layout_weights, batch_size=parse_batch_size(batch_size), kv_offload=kv_offload,
                 cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
                 gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,

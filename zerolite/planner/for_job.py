@@ -24,14 +24,22 @@ from zerolite.runtime.policy import parse_size
 def choose_for_job(load: dict, prompts: int, prompt_tokens: int, new_tokens: int, batch_size: int | None,
                    device: str) -> Choice:
     """load: zerolite.load's keywords as generate took them (model, path, dtype, weights, and the
-    policy's cpu_memory, prefetch_depth, kv_offload, offload); device: "cpu" or "cuda"."""
+    policy's cpu_memory, prefetch_depth, kv_offload, offload); device: as --device takes it."""
     source = ModelSource.resolve(load.get("model"), load.get("dtype"), load.get("path"))
-    costs = ModelCosts.from_config(source.config, source.dtype, source.name)
-    hardware = Hardware.here(device, source.disk_target, source.dtype, measure_disk=measure_disk,
-                             model=(source.config, costs.formats["stored"].layer_bytes))
+    costs, hardware = model_and_machine(source, device)
     cpu_memory = load.get("cpu_memory")
     pins = Pins(weights=load.get("weights") or source.weights or "stored", batch_size=batch_size,
                 kv_offload=load.get("kv_offload") or 0.0,
                 cpu_memory=parse_size(cpu_memory, "`cpu_memory`") if isinstance(cpu_memory, str) else cpu_memory,
                 prefetch_depth=load.get("prefetch_depth"), offload=load.get("offload"))
     return search(costs, hardware, Job(prompt_tokens, new_tokens, prompts), pins)
+
+
+def model_and_machine(source: ModelSource, device: str, **here) -> tuple[ModelCosts, Hardware]:
+    """The model's costs from its config, and this machine's figures for it (as recorded, else
+    measured now: the disk through measure_disk unless here says otherwise, compute probed with the
+    model's own layer); here: Hardware.here's other keywords."""
+    costs = ModelCosts.from_config(source.config, source.dtype, source.name)
+    hardware = Hardware.here(device, source.disk_target, source.dtype, **{"measure_disk": measure_disk, **here},
+                             model=(source.config, costs.formats["stored"].layer_bytes))
+    return costs, hardware
