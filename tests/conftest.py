@@ -1,5 +1,7 @@
+import atexit
 import fcntl
 import os
+import shutil
 import sys
 import tempfile
 
@@ -8,8 +10,11 @@ import pytest
 # The tests build tiny models locally; nothing may reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # What the tests convert and what they measure of the machine (zerolite.planner.measurements) stay
-# out of the user's cache: a tiny test model's timings are no plan's business.
-os.environ.setdefault("ZEROLITE_CACHE", tempfile.mkdtemp(prefix="zerolite-tests-"))
+# out of the user's cache: a tiny test model's timings are no plan's business. The process that made
+# the folder (pytest's controller; xdist's workers inherit the variable) removes it when it exits.
+if "ZEROLITE_CACHE" not in os.environ:
+    os.environ["ZEROLITE_CACHE"] = tempfile.mkdtemp(prefix="zerolite-tests-")
+    atexit.register(shutil.rmtree, os.environ["ZEROLITE_CACHE"], ignore_errors=True)
 sys.path.insert(0, os.path.dirname(__file__))
 
 from layouts import TinyLayouts  # noqa: E402  (importable once the path above is set)
