@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from transformers import AutoModelForCausalLM
 import zerolite.convert.writer as convert_module
 from cli_runner import assert_one_line_error, run
 from tiny_models import build_tiny_model, save_tiny_model
+from zerolite.convert.read_ahead import read_ahead
 from zerolite.convert.writer import JOURNAL, convert
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT, IoEngine
@@ -195,3 +198,67 @@ def test_convert_refuses_a_folder_holding_other_files(capsys, monkeypatch, tmp_p
     assert_one_line_error(result, f"--path {disk} holds other files and no zerolite layout",
                           "convert into a new or empty folder, such as " + str(disk / "src-"))
     assert [path.name for path in disk.iterdir()] == ["notes.txt"]  # nothing written beside them
+
+
+def test_the_next_block_is_read_while_this_one_is_written(tmp_path, monkeypatch, make_source):
+    """Convert reads ahead: block i + 1 is taken out of the checkpoint, on another thread, before
+    block i's write returns (converting a 26 GB model to int4 was a read, a quantizing and a write
+    in a row)."""
+    real_iter, real_write_block = convert_module.iter_block_tensors, convert_module.write_block
+    events = []
+
+    def reading(*args, **kwargs):
+        for block, tensors in real_iter(*args, **kwargs):
+            events.append(("read", block.name, threading.current_thread()))
+            yield block, tensors
+
+    def writing(fd, planned, tensors, out):
+        read_next = len([e for e in events if e[0] == "read"]) + 1
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len([e for e in events if e[0] == "read"]) < min(read_next, 5):
+            time.sleep(0.01)  # the reader fills in the next block meanwhile, or never does
+        events.append(("write", planned.name, threading.current_thread()))
+        return real_write_block(fd, planned, tensors, out)
+
+    monkeypatch.setattr(convert_module, "iter_block_tensors", reading)
+    monkeypatch.setattr(convert_module, "write_block", writing)
+    convert(make_source(), tmp_path / "layout", show_progress=False)
+    order = [(kind, name) for kind, name, _ in events]
+    assert order[:4] == [("read", "embed"), ("read", "layers.0"), ("write", "embed"), ("read", "layers.1")]
+    assert {thread for kind, _, thread in events if kind == "read"}.isdisjoint(
+        {thread for kind, _, thread in events if kind == "write"})
+
+
+def test_read_ahead_runs_at_most_depth_items_ahead_and_hands_errors_on():
+    produced = []
+
+    def source():
+        for i in range(6):
+            produced.append(i)
+            if i == 4:
+                raise ValueError("shard 4 is damaged")
+            yield i
+
+    taken = []
+    with pytest.raises(ValueError, match="shard 4"):
+        for item in read_ahead(source(), depth=1):
+            time.sleep(0.05)  # the reader has all the time it wants to run further ahead
+            assert len(produced) <= item + 2  # the item in hand, the one read ahead
+            taken.append(item)
+    assert taken == [0, 1, 2, 3]
+
+
+def test_read_ahead_stops_its_reader_when_the_caller_stops():
+    closed = threading.Event()
+
+    def source():
+        try:
+            yield from range(100)
+        finally:
+            closed.set()
+
+    for item in read_ahead(source()):
+        if item == 2:
+            break
+    assert closed.is_set()
+    assert not [t for t in threading.enumerate() if t.name == "zerolite-read-ahead"]

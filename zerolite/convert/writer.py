@@ -31,6 +31,7 @@ from zerolite.convert.checkpoint import (
     one_line,
 )
 from zerolite.convert.paths import default_layout_path
+from zerolite.convert.read_ahead import read_ahead
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import aligned_empty
 from zerolite.layout.blocks import (
@@ -275,7 +276,7 @@ def check_free_space(out: Path, needed: int) -> None:
 def write_blocks(checkpoint, meta_model, blocks, planned, dtype, out, header, done, show_progress,
                  quantize) -> dict[str, BlockEntry]:
     """Writes every block not yet done, its tensors through quantize; each is durable before the
-    journal records it."""
+    journal records it. The next block is read meanwhile."""
     finished = dict(done)
     fd = os.open(out / DATA_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -284,7 +285,7 @@ def write_blocks(checkpoint, meta_model, blocks, planned, dtype, out, header, do
         todo_bytes = sum(planned[name].length for name in pending)
         with byte_progress("converting", todo_bytes, len(pending), enabled=show_progress) as progress, \
                 open(out / JOURNAL, "a") as journal:
-            for block, tensors in iter_block_tensors(checkpoint, meta_model, blocks, dtype, skip=set(done)):
+            for block, tensors in read_ahead(iter_block_tensors(checkpoint, meta_model, blocks, dtype, skip=set(done))):
                 entry = write_block(fd, planned[block.name], quantize(tensors), out)
                 journal.write(json.dumps(asdict(entry)) + "\n")
                 journal.flush()
