@@ -153,8 +153,8 @@ class StoredTensor:
             raise ZeroliteError(f"{self.path} stores a tensor as {self.dtype}, which zerolite does not read")
         # Memory of its own from 2 MiB on (aligned_empty): unmapped when the block is done with it.
         # From malloc, glibc's raised mmap threshold kept tensors of tens of MB on its heap, which
-        # grew by a layer's worth every few layers.
-        data = aligned_empty(self.nbytes)
+        # grew by a layer's worth every few layers. Small pages: it is read into once.
+        data = aligned_empty(self.nbytes, huge_pages=False)
         if pread_into(self.path, data, self.offset) < self.nbytes:
             raise ZeroliteError(f"{self.path} ends before its tensors do: it is truncated; download it again")
         return data.view(getattr(torch, SAFETENSORS_DTYPES[self.dtype])).view(self.shape)[index]

@@ -320,7 +320,7 @@ def write_block(fd: int, planned: BlockEntry, tensors: dict[str, torch.Tensor], 
     # so the block is in memory about once, not twice (a layer of a 26 GB model is 0.64 GB; zeroing
     # the whole buffer first held both, 2.06 GB of peak RSS). Only the padding is zeroed: it is part
     # of the checksum.
-    buffer = aligned_empty(planned.length)
+    buffer = aligned_empty(planned.length, huge_pages=False)  # filled once (io.engine.host_mapping)
     for start, end in padding(planned):
         buffer[start:end] = 0
     for entry in planned.tensors:

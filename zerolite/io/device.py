@@ -152,7 +152,7 @@ class CpuDevice(Device):
         dst.copy_(src)
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        return aligned_empty(nbytes)
+        return aligned_empty(nbytes, huge_pages=False)  # a resident block's home: read into once (io.engine.host_mapping)
 
     def memory(self) -> tuple[int, int]:
         memory = psutil.virtual_memory()

@@ -172,7 +172,7 @@ class DiskStore:
     def read(self, name: str, buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Reads one block (submit, wait, verify) and returns its tensors as views of buffer."""
         entry = self.entry(name)
-        buffer = aligned_empty(entry.length) if buffer is None else buffer
+        buffer = aligned_empty(entry.length, huge_pages=False) if buffer is None else buffer  # read into once
         self.wait(self.submit(name, buffer))
         self.verify_crc(name, zlib.crc32(buffer[: entry.length].numpy()))  # every read() checks, not once per run
         return tensor_views(entry, buffer)

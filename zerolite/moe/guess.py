@@ -99,7 +99,7 @@ def read_tensors(disk: DiskStore, block: str, entries: list[TensorEntry]) -> lis
     """These tensors of a block, read from the layout alone: the 4 KiB-aligned stretch holding them."""
     start = min(t.offset for t in entries) // ALIGNMENT * ALIGNMENT
     end = round_up(max(t.offset + t.nbytes for t in entries), ALIGNMENT)
-    buffer = aligned_empty(end - start)
+    buffer = aligned_empty(end - start, huge_pages=False)  # read into once
     disk.wait(disk.submit(block, buffer, start, end - start))
     return [buffer[t.offset - start:t.offset - start + t.nbytes].view(DTYPES[t.dtype]).view(t.shape).clone()
             for t in entries]

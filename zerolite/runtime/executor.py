@@ -195,7 +195,10 @@ def host_memory(disk: DiskStore, plan: Plan, device: Device, world: World, progr
     (host memory is the device's there)."""
     if world.local_size > 1:
         return NodeCopy.load(disk, list(plan.in_host(device.separate_memory)), device, world, progress)
-    return MemoryStore.load(disk, list(plan.in_memory), device.pinned_empty, progress)
+    # On a CPU the tier is the device's own memory, filled once (device.empty: small pages, whose
+    # first touch costs far less than huge ones': io.engine.host_mapping).
+    allocate = device.pinned_empty if device.separate_memory else device.empty
+    return MemoryStore.load(disk, list(plan.in_memory), allocate, progress)
 
 
 def build_model(layout: Layout, device: torch.device) -> nn.Module:
