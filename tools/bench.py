@@ -135,6 +135,7 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
                "--gguf-folder", args.gguf_folder,
                "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
                "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
+               *(["--layers", str(args.layers)] if getattr(args, "layers", None) else []),
                "--out", str(out), "--started", str(time.time())]
     cgroup = MemoryCgroup.create(name, limit) if limit else None
     drop_page_cache()

@@ -94,6 +94,17 @@ def accelerate_auto(args):
     return model, {}
 
 
+def compute_in_ram(args):
+    """No reads at all: the model's own modules with every weight in memory (random, from its config,
+    --layers of its decoder layers) and zerolite's thread settings: the compute a zerolite step takes
+    apart from its reads, for a model too large to hold whole (tools/bench_scale.py scales it by layers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.source)
+    config.num_hidden_layers = args.layers
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(args.device).eval(), {}
+
+
 def transformers_in_ram(args):
     from transformers import AutoModelForCausalLM
 
@@ -233,6 +244,7 @@ CONTENDERS = {
     "zerolite-nvme-int4": lambda a: zerolite_model(a, "nvme", layout=a.int4_layout, cpu_memory=0),
     "zerolite-cpu-int4": lambda a: zerolite_model(a, "cpu", layout=a.int4_layout),
     "transformers-ram": transformers_in_ram,
+    "zerolite-compute-in-ram": compute_in_ram,
     "deepspeed-nvme": lambda a: deepspeed_zero3(a, "nvme"),
     "deepspeed-cpu": lambda a: deepspeed_zero3(a, "cpu"),
     "accelerate-disk": accelerate_disk,
@@ -266,6 +278,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, required=True)
     parser.add_argument("--prompt-tokens", type=int, required=True)
     parser.add_argument("--half-bytes", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None, help="zerolite-compute-in-ram: decoder layers to build")
     parser.add_argument("--scratch", default="/tmp")
     parser.add_argument("--started", type=float, required=True)
     parser.add_argument("--out", required=True)

@@ -14,11 +14,16 @@ Runs (--runs picks some):
   accelerate                             transformers + accelerate disk offload (device_map="auto",
                                          an 18 GiB host budget), batch 1
   int4                                   converted to int4 (time, peak RSS), then streamed at batch 16
-  convert                                a plain copy of the shards, then convert into a bf16 layout:
-                                         throughput of both and convert's peak RSS (both deleted after)
+  compute                                the in-memory compute of a decode step at batch 1 and 16: the
+                                         model's own modules with 2 and with 6 layers in RAM, no reads,
+                                         scaled to all its layers by the difference
+  convert                                a plain copy of the shards, then convert into a bf16 layout and
+                                         into int4: throughput of each beside the copy's, convert's peak
+                                         RSS (all deleted after; the int4 layout kept for the int4 run)
 
 Reported for each: time to first token (from process start), the median decode step, peak RSS
-and the disk it used; the streamed runs' steps beside the read pass; and for zerolite's runs the
+and the disk it used; the steps beside the read pass, and beside their bound: the slower of the read
+pass's share for the layers a run streams and the in-memory compute of its step; and for zerolite's runs the
 decode step zerolite plan predicts for the policy each ran (its batch, weights and the layers it
 held), from the machine's figures as recorded before the runs. Everything written is
 deleted at the end unless --keep.
@@ -55,7 +60,8 @@ RUNS = {
     "accelerate": ("accelerate-auto", 1),
     "int4": ("zerolite-nvme-int4", 16),
 }
-ALL_RUNS = [*RUNS, "read-pass", "convert"]
+ALL_RUNS = [*RUNS, "read-pass", "compute", "convert"]
+COMPUTE_LAYERS = (2, 6)  # decoder layers of the two in-memory models whose steps give one layer's compute
 
 
 def write_model(source: Path, console: Console) -> int:
@@ -124,6 +130,60 @@ def plan_predictor(source: Path, args):
     return step
 
 
+def convert_beside_a_copy(source: Path, scratch: Path, int4_folder: Path, console: Console) -> dict:
+    """A plain copy of the shards, then convert into bf16 and into int4, each from a cold cache:
+    seconds, throughput against the copy's (the same source bytes), convert's peak RSS."""
+    copy = scratch / "copy"
+    copy.mkdir()
+    drop_page_cache()
+    copy_s = plain_copy(sorted(source.glob("*.safetensors")), copy)
+    shutil.rmtree(copy)
+    result = {"copy_s": copy_s}
+    for weights, folder in ((None, scratch / "layout"), ("int4", int4_folder)):
+        shutil.rmtree(folder, ignore_errors=True)
+        drop_page_cache()
+        seconds, rss = timed_convert(str(source), folder, weights)
+        written = folder_bytes(folder)
+        if weights is None:
+            shutil.rmtree(folder)
+        name = weights or "bf16"
+        result[name] = {"convert_s": seconds, "peak_rss_bytes": rss, "disk_bytes": written,
+                        "throughput_vs_copy": copy_s / seconds}
+        console.print(f"convert {name}: {seconds:.0f} s beside a plain copy's {copy_s:.0f} s ({copy_s / seconds:.2f}x its "
+                      f"throughput), peak RSS {rss / 1e9:.2f} GB, {written / 1e9:.1f} GB written", highlight=False)
+    return result
+
+
+def compute_in_ram(args, batch: int, scratch: str) -> dict:
+    """The decode step's compute with every weight in memory, no reads: the median step of the model
+    built with COMPUTE_LAYERS layers in RAM, scaled to all of them by the per-layer difference."""
+    steps = {}
+    for layers in COMPUTE_LAYERS:
+        args.batch_size, args.layers = batch, layers
+        result = run_contender("zerolite-compute-in-ram", args, 0, scratch, None)
+        if "error" in result:
+            raise RuntimeError(f"in-memory compute with {layers} layers: {result['error']}")
+        steps[layers] = statistics.median(result["step_s"])
+    few, many = COMPUTE_LAYERS
+    layer_s = (steps[many] - steps[few]) / (many - few)
+    args.layers = None
+    return {"step_s_by_layers": steps, "layer_s": layer_s,
+            "step_s": steps[many] + (SCALE_CONFIG["num_hidden_layers"] - many) * layer_s}
+
+
+def bound_columns(result: dict, run: str, step: float, read_pass: float | None, compute: dict | None) -> list[str]:
+    """The bound of a zerolite bf16 run's step, the slower of its streamed layers' share of the read pass
+    and the in-memory compute at its batch, and the step against it (int4's compute is not measured in
+    memory; accelerate does not say which layers it holds)."""
+    held, batch = result.get("held_layers"), RUNS[run][1]
+    if read_pass is None or compute is None or batch not in compute or run == "int4" or held is None:
+        return ["-", "-"]
+    layers = SCALE_CONFIG["num_hidden_layers"]
+    bound = max(read_pass * (layers - held) / layers, compute[batch]["step_s"])
+    result["bound_s"] = bound
+    return [f"{bound:.2f}", f"{step / bound:.2f}x"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", type=Path, default=Path("/work/scale"))
@@ -151,19 +211,14 @@ def main() -> None:
     results = {}
     try:
         if "convert" in runs:
-            copy = scratch / "copy"
-            copy.mkdir()
-            drop_page_cache()
-            copy_s = plain_copy(sorted(source.glob("*.safetensors")), copy)
-            shutil.rmtree(copy)
-            drop_page_cache()
-            convert_s, rss = timed_convert(str(source), scratch / "layout", None)
-            shutil.rmtree(scratch / "layout")
-            results["convert"] = {"copy_s": copy_s, "convert_s": convert_s, "peak_rss_bytes": rss}
-            console.print(f"convert: {convert_s:.0f} s beside a plain copy's {copy_s:.0f} s ({copy_s / convert_s:.2f}x its "
-                          f"throughput), peak RSS {rss / 1e9:.2f} GB", highlight=False)
+            results["convert"] = convert_beside_a_copy(source, scratch, args.folder / "int4", console)
+        if "compute" in runs:
+            results["compute"] = {batch: compute_in_ram(args, batch, str(scratch)) for batch in (1, 16)}
+            for batch, compute in results["compute"].items():
+                console.print(f"in-memory compute at batch {batch}: {compute['step_s']:.2f} s a step "
+                              f"({compute['layer_s'] * 1e3:.1f} ms a layer)", highlight=False)
         for run in runs:
-            if run in ("read-pass", "convert"):
+            if run in ("read-pass", "compute", "convert"):
                 continue
             if run == "int4" and not (args.folder / "int4").exists():
                 seconds, rss = timed_convert(str(source), args.folder / "int4", "int4")
@@ -192,11 +247,11 @@ def main() -> None:
     table = Table(title=f"a {SCALE_CONFIG['num_hidden_layers']}-layer Llama of hidden {SCALE_CONFIG['hidden_size']} in bf16, "
                         f"{args.new_tokens} new tokens, page cache dropped before each run")
     for column in ("run", "batch", "held layers", "depth", "first token s", "decode step s", "plan predicts s", "step / read pass",
-                   "peak RSS GB", "disk GB"):
+                   "bound s", "step / bound", "peak RSS GB", "disk GB"):
         table.add_column(column, justify="left" if column == "run" else "right")
     read_pass = results.get("read-pass", {}).get("step_s", [None])[0]
     for run, result in results.items():
-        if run in ("read-pass", "int4 convert", "convert") or "error" in result:
+        if run in ("read-pass", "int4 convert", "convert", "compute") or "error" in result:
             continue
         step = statistics.median(result["step_s"]) if result["step_s"] else float("nan")
         held = result.get("held_layers")
@@ -206,7 +261,9 @@ def main() -> None:
         table.add_row(run, str(RUNS[run][1]), "-" if held is None else str(held), str(result.get("prefetch_depth", "-")),
                       f"{result['ready_s'] + result['prefill_s']:.1f}",
                       f"{step:.2f}", f"{result['predicted_step_s']:.2f}" if held is not None else "-",
-                      f"{step / read_pass:.2f}x" if read_pass else "-", f"{result['peak_rss_bytes'] / 1e9:.1f}",
+                      f"{step / read_pass:.2f}x" if read_pass else "-",
+                      *bound_columns(result, run, step, read_pass, results.get("compute")),
+                      f"{result['peak_rss_bytes'] / 1e9:.1f}",
                       f"{result['disk_bytes'] / 1e9:.3f}")
     console.print(table)
     for run, result in results.items():
