@@ -7,7 +7,8 @@ speed, first token and what each writes. Run as root (the page cache is dropped 
 1. first token, each from nothing: convert into a fresh layout then generate (convert-first), and
    plan in place into a fresh folder then generate (in-place); ready + prefill, from process start,
    and the part that differs: converting, or planning in place (the rest, the interpreter, imports,
-   loading and the prefill, both pay alike);
+   loading and the prefill, both pay alike; starting Python and importing alone is timed apart, in a
+   fresh process with caches dropped, median of 3);
 2. decode, --rounds rounds of both taking turns, every layer streamed (--cpu-memory 0): the median
    step of each, its tokens/s (batch / step), and whether their tokens are the same;
 3. what each wrote: the converted layout's bytes, the in-place folder's.
@@ -20,14 +21,17 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from bench import QUANTIZED, run_contender
+from zerolite.planner.machine import drop_page_cache
 
 IN_PLACE, LAYOUT, CONVERT_FIRST = "zerolite-nvme-in-place", "zerolite-nvme", "zerolite-nvme-convert-first"
 
@@ -38,6 +42,15 @@ def folder_bytes(folder: Path) -> int:
 
 def decode_step(result: dict) -> float:
     return statistics.median(result["step_s"])
+
+
+def start_and_imports_s() -> float:
+    """Seconds for a fresh process, caches dropped, to start Python and import what a run of either
+    kind imports before anything of the model is read (torch, transformers' modelling): both pay it."""
+    drop_page_cache()
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import zerolite.lm"], check=True)
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -65,6 +78,7 @@ def main() -> None:
                 sys.exit(f"bench_in_place: {name} failed: {result['error']}")
             return result
 
+        imports = statistics.median(start_and_imports_s() for _ in range(3))
         converted = run(CONVERT_FIRST)
         written_converted = folder_bytes(Path(scratch) / "converted")
         shutil.rmtree(Path(scratch) / "converted")
@@ -82,6 +96,8 @@ def main() -> None:
     summary = {
         "batch_size": args.batch_size, "new_tokens": args.new_tokens, "rounds": args.rounds,
         "first_token_s": first_token, "first_token_ratio": first_token[IN_PLACE] / first_token[CONVERT_FIRST],
+        "start_and_imports_s": imports,
+        "first_token_beyond_imports_ratio": (first_token[IN_PLACE] - imports) / (first_token[CONVERT_FIRST] - imports),
         "prepare_s": prepare, "prepare_ratio": prepare[IN_PLACE] / prepare[CONVERT_FIRST],
         "decode_step_s": steps, "steps_by_round": {name: [round(decode_step(r), 4) for r in runs] for name, runs in results.items()},
         "tokens_per_s": {name: args.batch_size / step for name, step in steps.items()},
@@ -94,6 +110,9 @@ def main() -> None:
         table.add_column(column, justify="right" if column else "left")
     table.add_row("first token from nothing (s)", f"{first_token[IN_PLACE]:.1f}", f"{first_token[CONVERT_FIRST]:.1f} (convert first)",
                   f"{summary['first_token_ratio']:.2f}x")
+    table.add_row("  of which starting Python, importing torch and transformers (s)", f"{imports:.1f}", f"{imports:.1f}", "")
+    table.add_row("  beyond that (s)", f"{first_token[IN_PLACE] - imports:.1f}", f"{first_token[CONVERT_FIRST] - imports:.1f}",
+                  f"{summary['first_token_beyond_imports_ratio']:.2f}x")
     table.add_row("  of which converting / planning in place (s)", f"{prepare[IN_PLACE]:.2f}", f"{prepare[CONVERT_FIRST]:.2f}",
                   f"{summary['prepare_ratio']:.2f}x")
     table.add_row(f"decode step, median of {args.rounds} (s)", f"{steps[IN_PLACE]:.3f}", f"{steps[LAYOUT]:.3f}",
