@@ -16,8 +16,7 @@ from zerolite.runtime.budget import Budgets
 from zerolite.io.device import CpuDevice
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
-from zerolite.runtime.kv_cache import spread
-from zerolite.runtime.plan import Plan
+from zerolite.runtime.plan import Plan, spread
 from zerolite.runtime.policy import Policy, parse_size
 
 LAYERS = 8
@@ -44,11 +43,16 @@ def test_budgets_place_layers_on_the_device_then_in_memory_then_on_disk(layout):
     manifest = Layout.open(layout).manifest
     size = max(layer_bytes(layout))
     always = sum(b.length for b in manifest.blocks if not b.name.startswith("layers."))
-    plan = Plan.make(manifest, Policy(offload="nvme", device="cpu"), Budgets(device=always + 2 * size, host=3 * size))
+    budgets = Budgets(device=always + 2 * size, host=3 * size)
+    plan = Plan.make(manifest, Policy(offload="nvme", device="cpu"), budgets, separate_memory=True)
     assert set(plan.resident) == {"embed", "head", "layers.0", "layers.1"}
     assert plan.in_memory == ("layers.2", "layers.3", "layers.4")
     assert plan.on_disk == ("layers.5", "layers.6", "layers.7")  # one stretch of the layout, read in order
     assert plan.loaded == plan.resident + plan.in_memory
+    # Computing from host memory, the disk's layers go between the held ones: the disk reads on while they compute.
+    on_a_cpu = Plan.make(manifest, Policy(offload="nvme", device="cpu"), budgets)
+    assert on_a_cpu.resident == plan.resident and on_a_cpu.on_disk == ("layers.3", "layers.5", "layers.7")
+    assert on_a_cpu.in_memory == ("layers.2", "layers.4", "layers.6")
 
     everything_streams = Plan.make(manifest, Policy(offload="nvme", device="cpu"), Budgets(device=0, host=0))
     assert everything_streams.on_disk == everything_streams.streamed == tuple(f"layers.{i}" for i in range(LAYERS))
@@ -106,8 +110,8 @@ def test_the_plan_is_printed_before_the_run(capsys, monkeypatch, tmp_path, layou
     assert result.code == 0, result.stderr
     lines = result.stderr.splitlines()
     plan = next(line for line in lines if line.startswith("plan: "))
-    assert "2 blocks resident on cpu" in plan and "4 layers in host memory" in plan and "layers 0-3" in plan
-    assert "4 layers streamed from disk" in plan and "layers 4-7" in plan
+    assert "2 blocks resident on cpu" in plan and "4 layers in host memory" in plan and "layers 0, 2, 4, 6" in plan
+    assert "4 layers streamed from disk" in plan and "layers 1, 3, 5, 7" in plan  # between the held ones (Plan.make)
     assert any(line.startswith("K/V cache: 4 of 8 layers in host memory") for line in lines)
     assert any(line.startswith("bound: reading") and "GB/s loading read" in line for line in lines)
     assert "batch size: 5 (auto" in result.stderr  # five prompts: the whole input in one pass

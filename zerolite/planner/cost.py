@@ -10,7 +10,8 @@ Per decode step:
              and row count), attention over the context, and the head
   step     = max(disk, copy, compute) with two slots or more (the ring overlaps them), their sum
              with one; the disk idles, though, while the layers held in memory compute longer
-             than it takes to fill the ring (prefetch_depth blocks) ahead of the disk's stretch
+             than it takes to fill the ring ahead of them (on a GPU the disk's layers are one
+             stretch after the held ones; on a CPU they are spread among them: Plan.make)
 A routed mixture of experts reads and multiplies only the experts its tokens pick: the expected
 distinct experts of a random router (ModelCosts.expected_experts), and reads some guessed experts
 no token picks (WRONG_GUESSES, from zerolite profile's early_unused_experts_per_step on the MoE
@@ -121,11 +122,16 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
             copy = (streamed_layers * moved + (0 if prefill else kv_now)) / (hardware.h2d_gbps * 1e9)
         per_layer = layer_compute(rows, tokens_in_context, prefill)
         compute = layers * per_layer + step_overhead(rows) + hardware.seconds("stored", costs.head_weights, b)
-        if disk_layers:
+        if disk_layers and c.prefetch_depth >= 2:
             # While the layers held in memory compute, the disk reads ahead only as far as the ring
-            # reaches, prefetch_depth blocks; the rest of that time it idles.
+            # reaches; the rest of that time it idles. On a GPU the disk's layers are one stretch
+            # (Plan.make): the ring reaches prefetch_depth blocks past all the held ones. On a CPU
+            # they are spread among the held ones: past each gap, the ring's other slots.
             held = compute - disk_layers * per_layer
-            disk += max(held - c.prefetch_depth * moved / rate, 0.0)
+            if hardware.gpu:
+                disk += max(held - c.prefetch_depth * moved / rate, 0.0)
+            else:
+                disk += disk_layers * max(held / disk_layers - (c.prefetch_depth - 1) * moved / rate, 0.0)
         total = max(disk, copy, compute) if c.prefetch_depth >= 2 else disk + copy + compute
         return total, disk, copy, compute
 

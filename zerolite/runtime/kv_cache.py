@@ -23,6 +23,7 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from zerolite.io.device import Device
+from zerolite.runtime.plan import spread
 
 MIN_TOKENS = 256  # the first host buffer's length: appends then rarely reallocate
 
@@ -230,8 +231,9 @@ class PartialOffloadCache(DynamicCache):
 
 
 def host_layers(layers: list, fraction: float) -> list[int]:
-    """Which layers' K/V live in host memory: that share of the full-attention ones, spread evenly
-    (sliding-window and linear-attention layers keep their small caches on the device)."""
+    """Which layers' K/V live in host memory: that share of the full-attention ones, spread evenly,
+    so that each follows one that is not, whose attention hides its copy (sliding-window and
+    linear-attention layers keep their small caches on the device)."""
     eligible = [i for i, layer in enumerate(layers) if type(layer) is DynamicLayer]
     return spread(eligible, math.ceil(fraction * len(eligible) - 1e-9))
 
@@ -249,10 +251,3 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-
-
-def spread(items: list, count: int) -> list:
-    """count of items, evenly spaced over the list (all of them when count reaches its length):
-    each offloaded layer then follows one that is not, whose attention hides its copy."""
-    count = max(min(count, len(items)), 0)
-    return [items[(2 * j + 1) * len(items) // (2 * count)] for j in range(count)]

@@ -80,7 +80,7 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
     measured = world.together(budget, "loading")
     budgets = Budgets(min(b.device for b in measured), min(b.host for b in measured))
     plan = Plan.make(layout.manifest, policy, budgets, device.pinned_cost, world.local_size,
-                     resident_dense(layout, device, policy))
+                     resident_dense(layout, device, policy), device.separate_memory)
     warnings = world.each(lambda: preflight(layout, plan, policy, device, world.local_size), "checking memory")
     for warning in warnings if world.leads else ():
         print(f"zerolite: warning: {warning}", file=sys.stderr)

@@ -5,10 +5,13 @@ Three tiers, fastest first. Resident blocks are bound once and stay on the devic
 layers stream through the ring of slots every forward, from host memory (pinned on a GPU) when the
 host budget holds them, else from the layout on disk.
 
-Faster tiers take the first layers, so the layers read from disk are one contiguous stretch of the
-layout, read in order at every step: readahead and caches below the engine serve that best, and
-virtual disks can read a strided half of a layout far slower than the whole. The disk does not idle meanwhile: the executor reads ahead counting only blocks that need a transfer,
-so the next disk layers are on their way while the layers held in memory compute.
+Faster tiers take the first layers. Where the device computes from host memory (a CPU), the layers
+read from disk are spread evenly among those held there, so that the disk reads the next one while
+the held ones between compute: the executor reads ahead counting only blocks that need a transfer,
+and a ring of a few slots cannot cover a long run of held layers (a 26 GB model holding 31 of its 40
+layers idled its disk through them, a step 1.5x its bound). Where host memory is apart from the
+device's (a GPU), host-tier layers take slots and copies too, and the disk's layers stay one
+contiguous stretch of the layout, read in order.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class Plan:
 
     @classmethod
     def make(cls, manifest: Manifest, policy: Policy, budgets: Budgets, host_cost=lambda nbytes: nbytes,
-             ranks_here: int = 1, dense=lambda name: 0) -> Plan:
+             ranks_here: int = 1, dense=lambda name: 0, separate_memory: bool = False) -> Plan:
         """The embeddings, the head and the final norm run at every step and are small beside the
         layers: always resident. Layers go to the device while its budget lasts, then (with
         --offload nvme) to host memory while that budget lasts; the rest stay on disk.
@@ -38,7 +41,8 @@ class Plan:
         is rounded: Device.pinned_cost). ranks_here share the node's layers in host memory, but
         each keeps experts of its own: the expert cache is split between them. dense(name) is what
         a block resident on the device takes beyond its stored bytes (a GPU keeps quantized
-        weights dequantised there: zerolite.quant.linear.dense_bytes)."""
+        weights dequantised there: zerolite.quant.linear.dense_bytes). separate_memory: the
+        device's memory is apart from the host's (Device.separate_memory)."""
         names = [block.name for block in manifest.blocks]
         if policy.offload == "none":
             return cls(tuple(names), (), ())
@@ -50,12 +54,12 @@ class Plan:
         on_device_room = budgets.device - manifest.nbytes(always) - sum(dense(name) for name in always)
         on_device = layers[: max(on_device_room // widest_on_device, 0)]
         rest = layers[len(on_device):]
-        in_memory = rest if policy.offload == "cpu" else rest[: budgets.host // host_cost(widest)]
+        held = len(rest) if policy.offload == "cpu" else min(budgets.host // host_cost(widest), len(rest))
         resident = tuple(name for name in names if name in always or name in on_device)
-        on_disk = tuple(rest[len(in_memory):])
+        on_disk = tuple(rest[held:] if separate_memory else spread(rest, len(rest) - held))
         # What the layers held whole leave of the host budget keeps experts read from disk instead.
         routed = policy.experts == "routed" and any(manifest.block(name).experts for name in on_disk)
-        cache = (budgets.host - len(in_memory) * host_cost(widest)) // ranks_here if routed else 0
+        cache = (budgets.host - held * host_cost(widest)) // ranks_here if routed else 0
         return cls(resident, tuple(rest), on_disk, max(cache, 0))
 
     @property
@@ -74,3 +78,9 @@ class Plan:
         """Blocks read while loading: the resident ones and those held in host memory."""
         return self.resident + self.in_memory
 
+
+
+def spread(items: list, count: int) -> list:
+    """count of items, evenly spaced over the list (all of them when count reaches its length)."""
+    count = max(min(count, len(items)), 0)
+    return [items[(2 * j + 1) * len(items) // (2 * count)] for j in range(count)]
