@@ -46,7 +46,7 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64
 LEVELS = 15  # int4's steps between a group's lowest and highest level
 GRID_TOLERANCE = 1e-3  # of a step: how far from a level a value on an existing grid may lie
-QUANTIZE_ROWS = 256  # output rows quantized at once (a 13824 x 5120 weight: 0.14 s in 256s, 0.18 s in 1024s)
+QUANTIZE_ROWS = 256  # output rows quantized at once: fewer than a whole weight's fp32 work in memory, and faster (README)
 GRID_PROBE = 8  # values of each group that must lie near a grid's level before the whole group is checked
 GRID_BINS = 4096  # of a group's spread, for that check's table
 
