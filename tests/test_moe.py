@@ -21,6 +21,9 @@ from tiny_models import MOE_SHAPES
 from zerolite.errors import ZeroliteError
 from zerolite.moe.experts import find_experts
 from zerolite.layout.folder import Layout
+from zerolite.runtime.budget import Budgets
+from zerolite.runtime.plan import Plan
+from zerolite.runtime.policy import Policy
 from zerolite.runtime.slots import Slots
 
 NVME = dict(offload="nvme", cpu_memory=0, device="cpu", show_progress=False)
@@ -44,6 +47,18 @@ def test_every_layer_keeps_each_expert_in_an_extent_of_its_own(tiny):
         if block.name.startswith("layers."):
             assert block.experts is not None and block.experts.count == 8
             assert block.experts.offset == block.dense_length < block.length
+
+
+def test_layers_read_per_expert_stay_one_stretch_on_a_cpu_so_each_guesses_the_next(tiny):
+    """Plan.make spreads a CPU's disk layers among the held ones, but a layer read per expert guesses
+    the next one's experts only if that one is read per expert too (zerolite.moe.routing)."""
+    manifest = Layout.open(tiny[0]).manifest
+    layers = list(manifest.layer_names)
+    half = Budgets(device=0, host=sum(manifest.block(name).length for name in layers[: len(layers) // 2]))
+    routed = Plan.make(manifest, Policy(offload="nvme", device="cpu", experts="routed"), half)
+    assert routed.on_disk == tuple(layers[len(layers) // 2:])
+    whole = Plan.make(manifest, Policy(offload="nvme", device="cpu", experts="whole"), half)
+    assert whole.on_disk != routed.on_disk and len(whole.on_disk) == len(routed.on_disk)
 
 
 @pytest.mark.parametrize("depth", [1, 2, 4])

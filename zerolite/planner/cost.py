@@ -124,11 +124,12 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         compute = layers * per_layer + step_overhead(rows) + hardware.seconds("stored", costs.head_weights, b)
         if disk_layers and c.prefetch_depth >= 2:
             # While the layers held in memory compute, the disk reads ahead only as far as the ring
-            # reaches; the rest of that time it idles. On a GPU the disk's layers are one stretch
-            # (Plan.make): the ring reaches prefetch_depth blocks past all the held ones. On a CPU
-            # they are spread among the held ones: past each gap, the ring's other slots.
+            # reaches; the rest of that time it idles. On a GPU, and for a mixture's layers read per
+            # expert, the disk's layers are one stretch (Plan.make): the ring reaches prefetch_depth
+            # blocks past all the held ones. Otherwise they are spread among the held ones: past
+            # each gap, the ring's other slots.
             held = compute - disk_layers * per_layer
-            if hardware.gpu:
+            if hardware.gpu or costs.experts:
                 disk += max(held - c.prefetch_depth * moved / rate, 0.0)
             else:
                 disk += disk_layers * max(held / disk_layers - (c.prefetch_depth - 1) * moved / rate, 0.0)

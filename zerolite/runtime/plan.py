@@ -11,7 +11,8 @@ the held ones between compute: the executor reads ahead counting only blocks tha
 and a ring of a few slots cannot cover a long run of held layers (a 26 GB model holding 31 of its 40
 layers idled its disk through them, a step 1.5x its bound). Where host memory is apart from the
 device's (a GPU), host-tier layers take slots and copies too, and the disk's layers stay one
-contiguous stretch of the layout, read in order.
+contiguous stretch of the layout, read in order; so do a mixture's layers read per expert, each of
+which guesses the next one's experts (zerolite.moe.routing).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class Plan:
         rest = layers[len(on_device):]
         held = len(rest) if policy.offload == "cpu" else min(budgets.host // host_cost(widest), len(rest))
         resident = tuple(name for name in names if name in always or name in on_device)
-        on_disk = tuple(rest[held:] if separate_memory else spread(rest, len(rest) - held))
+        # Experts read per expert guess the next layer's from this one's: those layers stay together.
+        per_expert = policy.experts == "routed" and any(manifest.block(name).experts for name in rest)
+        on_disk = tuple(rest[held:] if separate_memory or per_expert else spread(rest, len(rest) - held))
         # What the layers held whole leave of the host budget keeps experts read from disk instead.
         routed = policy.experts == "routed" and any(manifest.block(name).experts for name in on_disk)
         cache = (budgets.host - held * host_cost(widest)) // ranks_here if routed else 0
