@@ -300,3 +300,16 @@ def test_int4_group_32_keeps_weights_already_on_a_4_bit_grid(levels):
     q64, scale_zero64 = quantize_int4(weight, 64)  # groups that straddle two grids are rounded as usual
     again = dequantize_int4(pack_int4(q64, cpu_packing()), scale_zero64, 64, scheme.packing, torch.float32)
     assert (again - weight).abs().max() > 1e-4
+
+
+def test_int4_keeps_a_grid_only_for_groups_of_at_most_16_values_and_takes_damaged_ones():
+    """Values near a coarse grid but more than 16 of them are rounded to the finest grid, as any
+    group is; a group holding a NaN or an infinity is quantized, not refused with an IndexError."""
+    near = torch.tensor([k / 7 for k in range(8)] * 4).repeat(16, 1)
+    near[:, 8:28] += torch.linspace(-4e-5, 4e-5, 20)  # 27 distinct values, each within 1e-3 of a seventh
+    _, scale_zero = quantize_int4(near, 32)
+    assert torch.allclose(scale_zero[0, :, 0], (near.amax(dim=1) - near.amin(dim=1)) / 15)
+    damaged = torch.randn(16, 64) * 0.02
+    damaged[0, 3], damaged[1, 5], damaged[2, 7] = float("nan"), float("inf"), float("-inf")
+    q, _ = quantize_int4(damaged, 32)
+    assert q.shape == (16, 64)

@@ -205,6 +205,13 @@ def grid_steps(groups: torch.Tensor, low: torch.Tensor, spread: torch.Tensor) ->
     candidates = may_lie_on_a_grid(groups, low, spread) & (spread > 0)
     if not candidates.any():
         return steps
+    # Only a group of at most LEVELS + 1 distinct values keeps a grid: values merely near one keep
+    # the finest, as rounding them would.
+    rows = candidates.squeeze(-1).clone()  # a mask apart from the one written through it
+    distinct = 1 + (groups[rows].sort(dim=-1).values.diff(dim=-1) > 0).sum(dim=-1)
+    candidates[rows] = (distinct <= LEVELS + 1)[:, None]
+    if not candidates.any():
+        return steps
     values, lows, spreads = groups[candidates.squeeze(-1)], low[candidates], spread[candidates]
     found = torch.zeros_like(lows, dtype=torch.bool)
     chosen = torch.full_like(lows, LEVELS)
@@ -221,12 +228,13 @@ def may_lie_on_a_grid(groups: torch.Tensor, low: torch.Tensor, spread: torch.Ten
     """Per group, whether its first GRID_PROBE values each lie near a level of some grid of 1 to
     LEVELS steps between its lowest and highest value (a fraction k / count of the spread, looked
     up in near_a_level): a group whose values all lie on one grid passes, and of a model's own
-    weights almost none does, so only the few that pass are checked whole. (Sorting the first
-    LEVELS + 2 values of every group to count distinct ones, as before, took half of quantizing.)"""
+    weights almost none does, so only the few that pass are sorted and checked whole. (Sorting the
+    first LEVELS + 2 values of every group, as before, took half of quantizing.) A value that is
+    not a number (a damaged weight) is looked up as position 0 and left to the whole check."""
     # The probed values lead (dim 0), so that "all of them" reduces across whole rows of groups.
     probed = groups[..., :GRID_PROBE].movedim(-1, 0)
     position = (probed - low.squeeze(-1)) / torch.where(spread > 0, spread, torch.ones_like(spread)).squeeze(-1)
-    bins = position.mul_(GRID_BINS).clamp_(0, GRID_BINS).to(torch.int64)
+    bins = position.nan_to_num_(0.0).mul_(GRID_BINS).clamp_(0, GRID_BINS).to(torch.int64)
     return near_a_level()[bins].all(dim=0).unsqueeze(-1)
 
 
