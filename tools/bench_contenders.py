@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -101,6 +102,8 @@ def compute_in_ram(args):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(args.source)
+    if args.layers is None:
+        sys.exit("zerolite-compute-in-ram needs --layers: the decoder layers to build in memory")
     config.num_hidden_layers = args.layers
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(args.device).eval(), {}
 

@@ -5,7 +5,7 @@ through a ring as the executor does, with no compute, one pass per decode step.
     figures["read_gbps"]    # bytes of one pass / the median pass: what a step could read at best
     figures["pass_s"]       # every pass's seconds, in order
 
-Why not a cold sequential read (zerolite.planner.machine.measure_disk): on virtual disks the host caches
+Why not one cold sequential read of the file (zerolite.planner.machine.measure_disk of a file): on virtual disks the host caches
 below the guest, so decode's repeated passes over the same blocks can run much faster than a cold
 read of the file; a bound taken from that read says a step beats its own bound. The same reads,
 repeated the same way, are the bound a step can be held to.

@@ -16,6 +16,7 @@ from zerolite.io.engine import ALIGNMENT, IoEngine, aligned_empty
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import MANIFEST
 from zerolite.layout.read_pass import read_pass
+from zerolite.runtime.plan import spread
 
 REQUEST_BYTES = 64 << 20     # each submit; several in flight, as the executor keeps whole blocks in flight
 REQUESTS_IN_FLIGHT = 4
@@ -29,7 +30,8 @@ def measure_disk(path: str | os.PathLike, max_bytes: int = DISK_READ_BYTES, scra
     """Sequential O_DIRECT read bandwidth through the engine, in GB/s (decimal).
 
     path is a layout (its layers read as decode reads them: LAYOUT_PASSES read-only passes in
-    layer order, the median pass's rate), a file (read once), or a folder: a scratch file of
+    layer order over at most max_bytes in all, the median pass's rate), a file (read once up to
+    max_bytes), or a folder: a scratch file of
     scratch_bytes is written there, kept out of the page cache, read and removed. A layout's
     rate is the one a decode step's reads see; on the development VM, whose host caches the disk
     below the guest, passes after the first ran up to 1.4x faster than a single cold read.
@@ -40,7 +42,7 @@ def measure_disk(path: str | os.PathLike, max_bytes: int = DISK_READ_BYTES, scra
     engine = engine or IoEngine()
     drop_page_cache()
     if target.is_dir() and (target / MANIFEST).is_file():
-        return layout_read_bandwidth(target, engine)
+        return layout_read_bandwidth(target, max_bytes, engine)
     if target.is_file():
         return read_bandwidth(target, max_bytes, engine)
     scratch = target / SCRATCH_NAME
@@ -51,9 +53,14 @@ def measure_disk(path: str | os.PathLike, max_bytes: int = DISK_READ_BYTES, scra
         scratch.unlink(missing_ok=True)
 
 
-def layout_read_bandwidth(folder: Path, engine: IoEngine) -> dict:
+def layout_read_bandwidth(folder: Path, max_bytes: int, engine: IoEngine) -> dict:
+    """The passes over as many of the layers, spread over the layout, as max_bytes holds in all (one
+    at least): a 352 GB layout is not read three times over to time its disk."""
     layout = Layout.open(folder)
-    figures = read_pass(layout, list(layout.manifest.layer_names), passes=LAYOUT_PASSES, engine=engine)
+    layers = list(layout.manifest.layer_names)
+    widest = max(layout.manifest.block(name).length for name in layers)
+    chosen = spread(layers, max(max_bytes // (LAYOUT_PASSES * widest), 1))
+    figures = read_pass(layout, chosen, passes=LAYOUT_PASSES, engine=engine)
     return {"file": str(folder), "bytes": figures["bytes_per_pass"] * LAYOUT_PASSES,
             "seconds": round(sum(figures["pass_s"]), 4), "read_gbps": figures["read_gbps"], "backend": figures["backend"]}
 

@@ -5,7 +5,8 @@ Three tiers, fastest first. Resident blocks are bound once and stay on the devic
 layers stream through the ring of slots every forward, from host memory (pinned on a GPU) when the
 host budget holds them, else from the layout on disk.
 
-Faster tiers take the first layers. Where the device computes from host memory (a CPU), the layers
+The device's tier takes the first layers, host memory's the next. Where the device computes from
+host memory (a CPU), the layers
 read from disk are spread evenly among those held there, so that the disk reads the next one while
 the held ones between compute: the executor reads ahead counting only blocks that need a transfer,
 and a ring of a few slots cannot cover a long run of held layers (a 26 GB model holding 31 of its 40
@@ -36,7 +37,8 @@ class Plan:
              ranks_here: int = 1, dense=lambda name: 0, separate_memory: bool = False) -> Plan:
         """The embeddings, the head and the final norm run at every step and are small beside the
         layers: always resident. Layers go to the device while its budget lasts, then (with
-        --offload nvme) to host memory while that budget lasts; the rest stay on disk.
+        --offload nvme) to host memory while that budget lasts; the rest stay on disk, after the
+        held ones or spread among them (the module's docstring says where).
 
         host_cost(nbytes) is the host memory a layer of nbytes really takes there (pinned memory
         is rounded: Device.pinned_cost). ranks_here share the node's layers in host memory, but
@@ -80,7 +82,6 @@ class Plan:
     def loaded(self) -> tuple[str, ...]:
         """Blocks read while loading: the resident ones and those held in host memory."""
         return self.resident + self.in_memory
-
 
 
 def spread(items: list, count: int) -> list:
