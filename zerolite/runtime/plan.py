@@ -6,14 +6,13 @@ layers stream through the ring of slots every forward, from host memory (pinned 
 host budget holds them, else from the layout on disk.
 
 The device's tier takes the first layers, host memory's the next. Where the device computes from
-host memory (a CPU), the layers
-read from disk are spread evenly among those held there, so that the disk reads the next one while
-the held ones between compute: the executor reads ahead counting only blocks that need a transfer,
-and a ring of a few slots cannot cover a long run of held layers (a 26 GB model holding 31 of its 40
-layers idled its disk through them, a step 1.5x its bound). Where host memory is apart from the
-device's (a GPU), host-tier layers take slots and copies too, and the disk's layers stay one
-contiguous stretch of the layout, read in order; so do a mixture's layers read per expert, each of
-which guesses the next one's experts (zerolite.moe.routing).
+host memory (a CPU), the layers read from disk are spread evenly among those held there, so that
+the disk reads the next one while the held ones between compute: the executor reads ahead counting
+only blocks that need a transfer, and a ring of a few slots cannot cover a long run of held layers
+(a 26 GB model holding 31 of its 40 layers idled its disk through them, a step 1.5x its bound).
+Where host memory is apart from the device's (a GPU), host-tier layers take slots and copies too,
+and the disk's layers stay one contiguous stretch of the layout, read in order; so do a mixture's
+layers read per expert, each of which guesses the next one's experts (zerolite.moe.routing).
 """
 
 from __future__ import annotations
