@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def folder_bytes(folder: Path) -> int:
+    """What the files under folder hold (0 where it is not): what a run wrote there."""
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder.exists() else 0
+
+
 def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | None) -> dict:
     out = Path(scratch) / f"{name}.json"
     out.unlink(missing_ok=True)  # a result left by the round before is not this run's

@@ -30,14 +30,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench import QUANTIZED, run_contender
+from bench import QUANTIZED, folder_bytes, run_contender
 from zerolite.planner.machine import drop_page_cache
 
 IN_PLACE, LAYOUT, CONVERT_FIRST = "zerolite-nvme-in-place", "zerolite-nvme", "zerolite-nvme-convert-first"
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
 def decode_step(result: dict) -> float:

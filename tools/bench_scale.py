@@ -43,7 +43,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench import run_contender
+from bench import folder_bytes, run_contender
 from bench_convert import plain_copy, timed_convert
 from zerolite.planner.machine import drop_page_cache
 
@@ -97,10 +97,6 @@ def write_model(source: Path, console: Console) -> int:
                                                                      "weight_map": weight_map}, indent=1))
     config.save_pretrained(source)
     return total
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder.exists() else 0
 
 
 def read_pass_step(layout_folder: Path, passes: int) -> float:
