@@ -35,6 +35,69 @@ WHOLE_MOE_SHAPES = {
     "jetmoe": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, kv_channels=16, num_key_value_heads=4),
 }
 
+# Windowed attention on some layers, full attention on the others (alternating, sliding first): a
+# window of 4 tokens, which the tests' prompts and answers run past. With the head tied to the
+# embeddings (Gemma's scaled up by sqrt(hidden)) tiny gemma2, gemma3_text and exaone4 repeat the
+# prompt's last token whatever the layers do, so their heads are their own.
+UNTIED = dict(tie_word_embeddings=False)
+SLIDING_SHAPES = {
+    "gemma2": dict(intermediate_size=160, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, **UNTIED),
+    "gemma3_text": dict(intermediate_size=160, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, **UNTIED),
+    "cohere2": dict(intermediate_size=160, sliding_window=4),
+    "exaone4": dict(intermediate_size=160, sliding_window=4, **UNTIED),
+}
+# Layers that carry a state instead of (or beside) K/V: state-space (mamba, mamba2, falcon_mamba),
+# state-space between attention layers (jamba with experts, bamba), gated delta-net linear attention
+# between attention layers (qwen3_next, with experts), lightning linear attention (minimax, with
+# experts), a real-gated recurrence beside windowed attention (recurrent_gemma), RWKV's time mix.
+# Hybrids alternate, the stateful kind first; transformers' pure-torch paths run them (no mamba_ssm,
+# causal_conv1d or flash-linear-attention kernels on a CPU).
+STATE_SHAPES = {
+    "mamba": dict(state_size=8),
+    "mamba2": dict(state_size=8, num_heads=4, head_dim=32, n_groups=1, chunk_size=8),
+    "falcon_mamba": dict(state_size=8),
+    "jamba": dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                  expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8),
+    "bamba": dict(intermediate_size=160, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=8),
+    "qwen3_next": dict(intermediate_size=96, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
+    "minimax": dict(intermediate_size=24, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=4),
+    "recurrent_gemma": dict(intermediate_size=160, lru_width=64, attention_window_size=4),
+    # rescale_every (6) above the layer count: RWKV divides some layers' weights in place at its
+    # first forward in eval mode, which streamed weights do not keep (see ARCHS_LEFT_OUT)
+    "rwkv": dict(intermediate_size=160, attention_hidden_size=64, context_length=256),
+}
+NO_ATTENTION = {"mamba", "mamba2", "falcon_mamba", "rwkv"}
+# Families transformers builds that the suite leaves out, and why.
+ARCHS_LEFT_OUT = {
+    "rwkv with more layers than rescale_every": (
+        "RwkvModel divides every rescale_every-th block's output and value weights in place at its first forward "
+        "in eval mode (_rescale_layers); a streamed block's weights are read again from their home each pass, "
+        "undivided, so the tokens differ from transformers' from that block on"),
+}
+DENSE = ["llama", "mistral", "bloom", "opt", "gpt2"]
+# Every family tiny_config builds.
+ARCHS = DENSE + [*MOE_SHAPES, *WHOLE_MOE_SHAPES, *SLIDING_SHAPES, *STATE_SHAPES]
+
+
+def layer_pattern(arch: str, layers: int) -> dict:
+    """The config fields that say which kind each layer is, alternating the two kinds (the windowed or
+    stateful kind first) so that any layer count has both."""
+    second = range(1, layers, 2)
+    kinds = lambda one, other: [other if i in second else one for i in range(layers)]  # noqa: E731
+    if arch in SLIDING_SHAPES:
+        return dict(layer_types=kinds("sliding_attention", "full_attention"))
+    if arch == "qwen3_next":
+        return dict(layer_types=kinds("linear_attention", "full_attention"))
+    if arch == "minimax":
+        return dict(layer_types=kinds("linear_attention", "full_attention"))
+    if arch == "bamba":
+        return dict(attn_layer_indices=list(second))
+    if arch == "recurrent_gemma":
+        return dict(block_types=["recurrent", "attention"])  # repeated over the layers
+    return {}  # jamba: its periods above; the others have one kind of layer
+
 
 def tiny_config(arch: str, layers: int = 3, tie: bool = True, **overrides) -> PretrainedConfig:
     """overrides: config fields for the tests that need a bigger or otherwise shaped model."""
@@ -57,6 +120,13 @@ def tiny_config(arch: str, layers: int = 3, tie: bool = True, **overrides) -> Pr
         attention = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256)
         shape = MOE_SHAPES.get(arch) or WHOLE_MOE_SHAPES[arch]
+        return AutoConfig.for_model(arch, **{**common, **attention, **shape, **overrides})
+    elif arch in SLIDING_SHAPES or arch in STATE_SHAPES:
+        # no attention fields where there is no attention: a planner reading the config must not find any
+        attention = dict(hidden_size=64, num_hidden_layers=layers) if arch in NO_ATTENTION else dict(
+            hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256)
+        shape = {**(SLIDING_SHAPES.get(arch) or STATE_SHAPES[arch]), **layer_pattern(arch, layers)}
         return AutoConfig.for_model(arch, **{**common, **attention, **shape, **overrides})
     else:
         raise ValueError(arch)

@@ -29,7 +29,7 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     kv = kv_bytes_per_token(config, dtype) * length                      # per sequence
     hidden = config.hidden_size
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    activations = longest * (6 * hidden + 3 * intermediate) * dtype.itemsize + config.num_attention_heads * longest * longest * 4
+    activations = longest * (6 * hidden + 3 * intermediate) * dtype.itemsize + (getattr(config, "num_attention_heads", None) or 0) * longest * longest * 4
 
     host_free = psutil.virtual_memory().available * (1 - MARGIN)
     if lm.device.separate_memory:
