@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PROMPT ?= The capital of France is
 
-.PHONY: demo test bench-io gpu-check clean
+.PHONY: demo test bench-io gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	python3 -m venv $(VENV)
@@ -37,6 +37,16 @@ bench-io: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python tools/gpu_check.py
+
+# For tools/gpu_quick.sh on a GPU machine without network: the pure-python packages zerolite declares that such
+# an image may lack, as wheels in .whl/ (ignored by git; carry it to the machine). --no-deps: their own
+# dependencies (numpy, pyyaml, tqdm) come with torch and transformers. GPU_WHEELS to fetch others.
+GPU_WHEELS ?= gguf==0.19.0 prometheus-client==0.26.0
+PIP := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) -m pip
+gpu-wheels:
+	$(PIP) download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build

@@ -1,0 +1,101 @@
+"""tools/gpu_quick.py: its dry run (every step on the simulated device, tiny shapes) writes the
+report a GPU run writes, section by section; the profile's summary of a CUDA trace, which only a
+GPU produces, on a trace made by hand; and its refusal to start a GPU run without a GPU."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "gpu_quick.py"
+
+
+@pytest.fixture
+def gpu_quick(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    return importlib.import_module("gpu_quick")
+
+
+def test_a_dry_run_writes_every_section_of_the_report(tmp_path, gpu_quick):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(TOOL), "--dry-run", "--out", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((out / "gpu_quick.json").read_text())
+    assert report["dry_run"] and report["seconds"] < report["budget_s"]
+    assert {name: step["status"] for name, step in report["steps"].items()} == {step.name: "ok" for step in gpu_quick.STEPS}
+
+    machine = report["machine"]
+    assert machine["cpus"] >= 1 and machine["torch"] and machine["transformers"] and "pcie" in machine
+    assert [r["label"] for r in report["copy"]["rates"]] == ["256 MiB alone", "layer alone"]
+    assert all(r["gbps"] > 0 and r["beside_gbps"] > 0 for r in report["copy"]["rates"])
+    assert report["pinned_gbps"] == report["copy"]["rates"][1]["gbps"]
+    rows = report["matmul"]["rows"]
+    assert [r["rows"] for r in rows] == [1, 16, 64, 256] and not report["matmul"]["errors"]
+    for variant in ("bf16", "int8_today", "int8_fused", "int4_today", "int4_fused"):
+        assert all(r[f"{variant}_ms"] > 0 for r in rows), variant
+    assert report["matmul"]["int4_fused_max_rel_err"] < 0.02  # the fused kernel fed as it wants
+    assert report["folder"]["in_place"] and report["folder"]["layers"] == 8
+
+    resident = {case: data["plan"]["resident_layers"] for case, data in report["streaming"].items()}
+    assert resident == {"pinned": 0, "resident": 4, "disk": 0, "kv": 0}
+    assert report["streaming"]["disk"]["plan"]["on_disk"] == 8
+    for case, data in report["streaming"].items():
+        assert set(data["batches"]) == {"1", "32"}, case
+        for batch in data["batches"].values():
+            assert batch["median_step_s"] > 0 and batch["moved_gbps"] > 0 and batch["share_of_pinned_rate"] > 0, case
+    assert report["streaming"]["kv"]["batches"]["32"]["kv_bytes_per_step_estimate"] > 0
+    assert report["streaming"]["disk"]["batches"]["1"]["read_gb_per_forward"] > 0
+
+    for batch in report["profile"]["batches"].values():
+        assert batch["copies"] > 0 and batch["kernels"] > 0 and 0 < batch["copy_busy_share"] <= 1
+    for name in ("tests-sanitized", "tests"):
+        assert report["tests"][name]["counts"].get("passed", 0) >= 1, report["tests"][name]
+
+    text = (out / "gpu_quick.md").read_text()
+    for heading in ("## Steps", "## Machine", "## Pinned host-to-device copies", "## Matmuls", "## Model folder",
+                    "## Streaming in place", "## Profile of two decode steps", "## CUDA tests"):
+        assert heading in text
+    # What a GPU machine gives back is at most 8 files: the report alone is left under --out.
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_quick.json", "gpu_quick.log", "gpu_quick.md",
+                                                     "gpu_quick_tests.log", "gpu_quick_trace.json.gz"]
+
+
+def test_a_cuda_traces_copy_stream_busy_share_gap_and_overlap(gpu_quick):
+    def event(cat, name, stream, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"device": 0, "stream": stream}}
+
+    trace = {"traceEvents": [
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 7, 0, 100),
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 7, 150, 150),
+        event("kernel", "ampere_bf16_gemm", 3, 50, 150),
+        event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 3, 300, 10),   # not a copy in
+        event("gpu_memset", "Memset (Device)", 3, 0, 5),                     # not a kernel
+        event("cuda_runtime", "cudaMemcpyAsync", 1, 0, 400),                 # the host's side
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "python"}},
+    ]}
+    summary = gpu_quick.summarize(gpu_quick.intervals_from_trace(trace))
+    assert summary["copy_stream"] == "7" and summary["copies"] == 2 and summary["kernels"] == 1
+    assert summary["window_ms"] == pytest.approx(0.3)
+    assert summary["copy_busy_share"] == pytest.approx(250 / 300, abs=1e-4)
+    assert summary["longest_copy_gap_ms"] == pytest.approx(0.05)
+    assert summary["overlap_share"] == pytest.approx(100 / 250)
+    assert gpu_quick.summarize([])["copy_busy_share"] is None
+
+
+def test_a_70b_layer_is_the_size_the_issue_names(gpu_quick):
+    assert gpu_quick.LAYER_70B_BYTES == 1_711_308_800
+
+
+def test_a_gpu_run_without_a_gpu_is_refused_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path / "out")], cwd=tmp_path,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no CUDA device" in done.stderr and "--dry-run" in done.stderr
+    assert not (tmp_path / "out").exists()
