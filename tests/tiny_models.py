@@ -73,8 +73,9 @@ NO_ATTENTION = {"mamba", "mamba2", "falcon_mamba", "rwkv"}
 ARCHS_LEFT_OUT = {
     "rwkv with more layers than rescale_every": (
         "RwkvModel divides every rescale_every-th block's output and value weights in place at its first forward "
-        "in eval mode (_rescale_layers); a streamed block's weights are read again from their home each pass, "
-        "undivided, so the tokens differ from transformers' from that block on"),
+        "in eval mode (_rescale_layers); a block that is not resident (held in host memory or streamed) is bound "
+        "to its home bytes at each pass, undivided, so the tokens differ from transformers' from that block on "
+        "(with offload none, every block resident, they are equal)"),
 }
 DENSE = ["llama", "mistral", "bloom", "opt", "gpt2"]
 # Every family tiny_config builds.
