@@ -52,10 +52,8 @@ def zerolite_cli(capsys, monkeypatch, *args) -> Result:
     return result
 
 
-@functools.cache
-def transformers_tokens(source, batch_size: int) -> list[list[int]]:
-    """transformers' greedy tokens for PROMPTS cut into left-padded batches of batch_size, as
-    generate cuts them (by position), each row cut after its end token."""
+def reference_model(source):
+    """transformers' model of source's weights, in RAM on DEVICE."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(DEVICE)
     # safetensors loads into an mmap at unaligned offsets, where some CPU kernels round differently;
     # fresh tensors are aligned like zerolite's slots (as in test_executor)
@@ -63,11 +61,23 @@ def transformers_tokens(source, batch_size: int) -> list[list[int]]:
         for param in model.parameters():
             param.data = param.data.clone()
     keep_experts_implementation(model)
+    return model
+
+
+def cut_at_end(row: list[int]) -> list[int]:
+    return row[: row.index(END) + 1] if END in row else row
+
+
+@functools.cache
+def transformers_tokens(source, batch_size: int) -> list[list[int]]:
+    """transformers' greedy tokens for PROMPTS cut into left-padded batches of batch_size, as
+    generate cuts them (by position), each row cut after its end token."""
+    model = reference_model(source)
     rows = []
     for start in range(0, len(PROMPTS), batch_size):
         batch = PROMPTS[start:start + batch_size]
         for row in greedy(model, batch, NEW_TOKENS, device=DEVICE)[:, max(map(len, batch)):].tolist():
-            rows.append(row[: row.index(END) + 1] if END in row else row)
+            rows.append(cut_at_end(row))
     return rows
 
 
@@ -130,18 +140,14 @@ SERVED = {
 def test_serve_defaults_answer_a_first_request_as_transformers(arch, make_source):
     source = make_source(arch, **SERVED[arch])
     prompt = PROMPTS[0]
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.data = param.data.clone()
-    expected = new_tokens_alone(model, prompt, NEW_TOKENS)
+    expected = cut_at_end(new_tokens_alone(reference_model(source), prompt, NEW_TOKENS, device=DEVICE))
     with zerolite.load(source, show_progress=False) as lm, LiveServer(lm, ServeSettings()) as server:
         body = {"model": server.served.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
                 "return_token_ids": True}
         answer = httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60.0))
     assert answer.status_code == 200, answer.text
     tokens = answer.json()["choices"][0]["token_ids"]
-    assert tokens == (expected[: expected.index(END) + 1] if END in expected else expected)
+    assert tokens == expected
 
 
 def test_serve_refuses_a_state_space_model_in_one_line(make_source, capsys, monkeypatch):
