@@ -12,6 +12,7 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     ProgressColumn,
+    SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -59,6 +60,18 @@ def byte_progress(description: str, total_bytes: int, total_items: int, enabled:
     )
     with terminal_bar(columns, description, total_bytes, enabled, blocks=0, total_blocks=total_items) as bar:
         yield ByteProgress(*bar)
+
+
+@contextmanager
+def measuring(what: str) -> Iterator[None]:
+    """A line on stderr while the machine is measured before a run's first line, naming what is
+    measured and for how long: a first plan once spent a silent minute and a half measuring."""
+    columns = (SpinnerColumn(finished_text="[green]done[/green]"), TextColumn("measuring {task.description}"),
+               TimeElapsedColumn())
+    with terminal_bar(columns, what, 1, True) as (progress, task):
+        yield
+        if progress is not None:
+            progress.update(task, completed=1)
 
 
 class TokenRateColumn(ProgressColumn):

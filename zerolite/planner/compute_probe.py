@@ -6,32 +6,38 @@ bf16 matmul without AVX-512 BF16) are measured, not assumed.
     rates = probe_compute(CpuDevice(), torch.bfloat16)   # {"stored": {1: 2.1e-10, 4: ..., ...}, "int8": ..., "int4": ...}
 
 The weights cycle through several matrices larger than a CPU's caches together, as a pass over a
-model's layers does, so a small batch pays for reading its weights from memory.
+model's layers does, so a small batch pays for reading its weights from memory. The matrices are
+copies of one (random, then quantized once per format): their values do not change a matmul's
+time, their separate memory does, and generating and quantizing six of them was half the probe.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 from torch import nn
 
 from zerolite.io.device import Device
+from zerolite.planner.shrunk_config import PROBE_VOCAB, shrunk
 from zerolite.quant.linear import Int4Linear, Int8Linear
 from zerolite.quant.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme
 
 ROWS = (1, 4, 16, 64, 256, 1024)
 SHAPE = (4096, 4096)        # out, in: a mid-sized model's projection
 MATRICES = 6                # 6 x 32 MB in bf16: beyond the caches, as a layer's weights are
-MIN_SECONDS = 0.15          # each point timed over this long at least
+MIN_SECONDS = 0.05          # each point timed over this long at least
+MIN_CALLS = 3               # and over this many calls: one call of a large batch outlasts MIN_SECONDS on its own
 
 
 def probe_compute(device: Device, dtype: torch.dtype, formats=("stored", "int8", "int4")) -> dict[str, dict[int, float]]:
     generator = torch.Generator().manual_seed(0)
-    dense = [torch.randn(SHAPE, generator=generator).to(dtype) for _ in range(MATRICES)]
+    dense = torch.randn(SHAPE, generator=generator).to(dtype)
     rates = {}
     for weights in formats:
-        modules = [module_for(weights, w, device) for w in dense]
+        one = module_for(weights, dense, device)
+        modules = [one] + [copy.deepcopy(one) for _ in range(MATRICES - 1)]
         rates[weights] = {rows: seconds_per_weight(modules, rows, dtype, device) for rows in ROWS}
     return rates
 
@@ -57,66 +63,137 @@ def module_for(weights: str, weight: torch.Tensor, device: Device) -> nn.Module:
 @torch.inference_mode()
 def seconds_per_weight(modules: list[nn.Module], rows: int, dtype: torch.dtype, device: Device) -> float:
     x = torch.randn(rows, SHAPE[1], dtype=dtype, device=device.torch_device)
-    for module in modules[:2]:
-        module(x)  # kernels chosen, pages touched
+    modules[0](x)  # kernels chosen
     calls, started = 0, time.perf_counter()
     while True:
         for module in modules:
             module(x)
-        calls += len(modules)
+            calls += 1
+            if calls >= MIN_CALLS and time.perf_counter() - started >= MIN_SECONDS:
+                break
         device.synchronize()
         elapsed = time.perf_counter() - started
-        if elapsed >= MIN_SECONDS and calls >= 2 * len(modules):
+        if elapsed >= MIN_SECONDS and calls >= MIN_CALLS:
             return elapsed / calls / (SHAPE[0] * SHAPE[1])
 
 
-LAYER_ROWS = (1, 4, 16, 64, 256)
-LAYER_CONTEXT = 32           # positions already cached when a decode step is timed
+LAYER_ROWS = (1, 16, 64, 256)   # between them the cost model interpolates, beyond them it extends in proportion
+LAYER_CONTEXT = 8            # positions prefilled before the timed steps (attention's flops are priced apart)
+LAYER_STEPS = 2              # decode steps timed at each row count, after one untimed
+PROBED_LAYERS = 2            # two layers: a family alternating two kinds of layer (sliding and full attention) is timed on both
+PROBE_SECONDS = 3.0          # no row count is begun that would take the probe past this (rows beyond it are extended in proportion)
 PROBE_LAYER_MAX_BYTES = 1 << 30  # larger layers are left to the matmul rates (their matmuls dwarf the rest)
+FILL_PATTERN = 1 << 20       # random values tiled over every weight: memcpy's speed, not a random generator's
 
 
 def probe_layer(config, dtype: torch.dtype, device: Device) -> dict[str, dict[int, float]]:
     """{"layer": seconds, "step": seconds} by batch size: what one of the model's own decoder layers
-    takes for a decode step (one new position per sequence, LAYER_CONTEXT cached), and what the
+    takes for a decode step (one new position per sequence, about LAYER_CONTEXT cached), and what the
     step costs besides its layers and head (embeddings, final norm, the forward's own overhead).
-    Timed on the same model built with two layers and with one: the difference is a layer. It holds
-    what the matmul rates leave out: norms, attention, routing, the per-op cost of small tensors."""
-    seconds = {layers: time_decode(shrunk(config, layers), dtype, device) for layers in (1, 2)}
-    layer = {rows: max(seconds[2][rows] - seconds[1][rows], 0.0) for rows in LAYER_ROWS}
-    return {"layer": layer, "step": {rows: max(seconds[1][rows] - layer[rows], 0.0) for rows in LAYER_ROWS}}
+    It holds what the matmul rates leave out: norms, attention, routing, the per-op cost of small
+    tensors. Timed on the model built with PROBED_LAYERS layers (a layer's time is their mean), its
+    weights a tiled pattern, the layers' time taken by hooks at their edges. Row counts are probed
+    in turn while PROBE_SECONDS allows."""
+    from zerolite.layout.blocks import find_decoder_layers
+
+    model = filled_model(shrunk(config, PROBED_LAYERS), dtype, device)
+    clock = LayerClock(find_decoder_layers(model)[1], device)
+    generator = torch.Generator().manual_seed(0)
+    layer, step, spent = {}, {}, {}
+    for rows in LAYER_ROWS:
+        if len(spent) >= 2 and sum(spent.values()) + predicted(spent, rows) > PROBE_SECONDS:
+            break
+        started = time.perf_counter()
+        layer[rows], step[rows] = time_decode(model, clock, rows, generator, device)
+        spent[rows] = time.perf_counter() - started
+    return {"layer": layer, "step": step}
 
 
-def shrunk(config, layers: int):
-    """config with layers decoder layers and a tiny vocabulary (the head's cost is counted apart)."""
-    import copy
+def predicted(spent: dict[int, float], rows: int) -> float:
+    """Seconds the probe at rows would take, extended in a line from the last two row counts'
+    (flat while reading the weights dominates, in proportion to rows once the matmuls do)."""
+    (before, before_s), (last, last_s) = sorted(spent.items())[-2:]
+    return last_s + max(last_s - before_s, 0.0) * (rows - last) / (last - before)
 
-    config = copy.deepcopy(config)
-    text = config.get_text_config()
-    text.num_hidden_layers = layers
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[:layers]
-    text.vocab_size = 256
-    return config
+
+def filled_model(config, dtype: torch.dtype, device: Device) -> nn.Module:
+    """The model with every parameter in fresh memory on the device, holding a small random pattern
+    (of transformers' usual initializer_range) over and over: transformers' random initialisation
+    takes seconds for each layer of a 26 GB model, and uninitialised memory may hold NaNs and
+    denormals, whose slow paths would be timed instead."""
+    from zerolite.convert.checkpoint import build_meta_model
+    from zerolite.hf import quiet_transformers
+
+    quiet_transformers()  # the tiny vocabulary draws warnings about token ids beyond it
+    model = build_meta_model(config, dtype, real_buffers=True)
+    target = device.torch_device
+    pattern = (torch.randn(FILL_PATTERN, generator=torch.Generator().manual_seed(0)) * 0.02).to(target)
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in made:  # tied weights stay tied
+                made[id(param)] = nn.Parameter(tiled(pattern, param.shape, param.dtype), requires_grad=False)
+            module._parameters[name] = made[id(param)]
+    return model.to(target).eval()
+
+
+def tiled(pattern: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype, device=pattern.device)
+    flat, source = tensor.view(-1), pattern.to(dtype)
+    whole = flat.numel() // source.numel() * source.numel()
+    flat[:whole].view(-1, source.numel()).copy_(source.expand(whole // source.numel(), -1))  # one copy, on every core
+    flat[whole:].copy_(source[:flat.numel() - whole])
+    return tensor
+
+
+class LayerClock:
+    """Seconds spent inside the decoder layers, summed from hooks at each layer's edges that wait for
+    the device, so that a GPU's queued work is counted where it runs."""
+
+    def __init__(self, layers: nn.ModuleList, device: Device):
+        self.layers, self.device, self.seconds, self.entered = len(layers), device, 0.0, 0.0
+        for module in layers:
+            module.register_forward_pre_hook(self.enter)
+            module.register_forward_hook(self.leave)
+
+    def enter(self, module, args) -> None:
+        self.device.synchronize()
+        self.entered = time.perf_counter()
+
+    def leave(self, module, args, output) -> None:
+        self.device.synchronize()
+        self.seconds += time.perf_counter() - self.entered
 
 
 @torch.inference_mode()
-def time_decode(config, dtype: torch.dtype, device: Device) -> dict[int, float]:
-    from transformers import AutoModelForCausalLM, DynamicCache
-
+def time_decode(model: nn.Module, clock: LayerClock, rows: int, generator: torch.Generator, device: Device) -> tuple[float, float]:
+    """(one layer's seconds, the rest of the step's) for a decode step of rows sequences, the best of
+    LAYER_STEPS. Each step decodes the next position with the cache (or state) the model made
+    itself: nothing is rolled back, as a sliding window's or a recurrent state's cache cannot be."""
     target = device.torch_device
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(target).eval()
-    generator = torch.Generator().manual_seed(0)
-    times = {}
-    for rows in LAYER_ROWS:
-        cache = DynamicCache(config=config)
-        model(torch.randint(0, 256, (rows, LAYER_CONTEXT), generator=generator).to(target), cache=cache, use_cache=True)
-        step = torch.randint(0, 256, (rows, 1), generator=generator).to(target)
-        best = float("inf")
-        for _ in range(5):
-            started = time.perf_counter()
-            model(step, cache=cache, use_cache=True)
-            device.synchronize()
-            best = min(best, time.perf_counter() - started)
-            cache.crop(-1)  # the step's position out again: every repeat sees the same context
-        times[rows] = best
-    return times
+    prompt = torch.randint(0, PROBE_VOCAB, (rows, LAYER_CONTEXT), generator=generator).to(target)
+    cache = carried(model(prompt, use_cache=True))
+    layer = step = float("inf")
+    for repeat in range(LAYER_STEPS + 1):
+        token = torch.randint(0, PROBE_VOCAB, (rows, 1), generator=generator).to(target)
+        clock.seconds = 0.0
+        started = time.perf_counter()
+        cache = carried(model(token, use_cache=True, **cache))
+        device.synchronize()
+        whole = time.perf_counter() - started
+        if repeat:  # the first step after a prefill picks its kernels
+            layer = min(layer, clock.seconds / clock.layers)
+            step = min(step, max(whole - clock.seconds, 0.0))
+    if layer <= 0:
+        raise RuntimeError(f"{type(model).__name__}'s forward did not run its decoder layers as modules")
+    return layer, step
+
+
+def carried(output) -> dict:
+    """The output's cache as the next step takes it: `cache`, or RWKV's `state`. A model that
+    returns neither keeps its state in its modules (RecurrentGemma) and starts it afresh at a call
+    without a cache: its steps are then one-token prompts, the same work bar attention's few
+    cached positions."""
+    return {name: output[name] for name in ("cache", "state") if output.get(name) is not None}

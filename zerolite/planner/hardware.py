@@ -23,6 +23,7 @@ from zerolite.io.device import resolve
 from zerolite.planner import measurements
 from zerolite.planner.compute_probe import PROBE_LAYER_MAX_BYTES, probe_compute, probe_layer
 from zerolite.planner.machine import measure_host_to_device
+from zerolite.progress import measuring, stderr
 
 BANDWIDTH_UNITS = {"gb/s": 1.0, "mb/s": 1e-3, "tb/s": 1e3, "gib/s": 2**30 / 1e9, "mib/s": 2**20 / 1e9}
 FLOPS_UNITS = {"tflops": 1.0, "tflop/s": 1.0, "gflops": 1e-3, "gflop/s": 1e-3, "pflops": 1e3, "pflop/s": 1e3}
@@ -78,7 +79,8 @@ class Hardware:
         if disk_gbps is not None:
             sources["disk_gbps"] = "given"
         elif disk is None and measure_disk is not None:
-            figures = measure_disk(disk_target)
+            with measuring(f"disk: reading {disk_target}"):
+                figures = measure_disk(disk_target)
             disk = figures["read_gbps"]
             measurements.record_disk(disk_target, disk, figures["bytes"])
             sources["disk_gbps"] = f"measured now ({figures['bytes'] / 1e9:.2f} GB read)"
@@ -90,12 +92,14 @@ class Hardware:
         sources["fill_gbps"] = "recorded: every load's bytes over its seconds" if fill is not None else "assumed: the disk's rate"
         h2d = measurements.value("h2d_gbps") if gpu else None
         if gpu and h2d is None:
-            h2d = measure_host_to_device(target)
+            with measuring("copies from host memory to the GPU"):
+                h2d = measure_host_to_device(target)
             measurements.record("h2d_gbps", h2d)
         key = measurements.compute_key(target, dtype)
         compute = measurements.value(key, "compute") if probe else None
         if compute is None and probe:
-            compute = probe_compute(target, dtype)
+            with measuring("compute: matmul rates of each weight format"):
+                compute = probe_compute(target, dtype)
             measurements.record(key, compute, "compute")
             sources["compute"] = "measured now"
         elif probe:
@@ -104,12 +108,7 @@ class Hardware:
             compute = {weights: {int(rows): s for rows, s in rates.items()} for weights, rates in compute.items()}
         layer = step = None
         if probe and model is not None:  # (config, a layer's bytes): the model's own layer timed, if not too large
-            config, layer_bytes = model
-            layer_key = f"{key} | {config_digest(config)}"
-            probed = measurements.value(layer_key, "layers")
-            if probed is None and layer_bytes <= PROBE_LAYER_MAX_BYTES:
-                probed = probe_layer(config, dtype, target)
-                measurements.record(layer_key, probed, "layers")
+            probed = model_layer(*model, f"{key} | {config_digest(model[0])}", dtype, target)
             if probed is not None:
                 layer, step = ({int(rows): s for rows, s in probed[part].items()} for part in ("layer", "step"))
                 sources["layer"] = "probed: the model's own layer"
@@ -127,6 +126,26 @@ class Hardware:
         if "gpu_tflops" in given:  # another GPU: its FLOPs, not this machine's probes
             given.update(compute=None, layer_seconds=None, step_seconds=None)
         return replace(self, **given, sources=sources)
+
+
+def model_layer(config, layer_bytes: int, key: str, dtype: torch.dtype, target) -> dict | None:
+    """The probe of one of the model's own layers (compute_probe.probe_layer), as recorded under key
+    or timed now; None for a layer larger than PROBE_LAYER_MAX_BYTES, or one the probe cannot time:
+    the matmul rates stand for it. A plan is advice, so a probe that fails costs no run (fourteen
+    families' runs once stopped there): whatever it raises is said in one line, and the plan goes on."""
+    probed = measurements.value(key, "layers")
+    if probed is not None or layer_bytes > PROBE_LAYER_MAX_BYTES:
+        return probed
+    try:
+        with measuring("compute: one of this model's layers"):
+            probed = probe_layer(config, dtype, target)
+    except Exception as e:  # noqa: BLE001 - any family's failure, whatever its type
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        stderr.print(f"plan: could not time one of this model's layers ({reason}); compute estimated from matmul rates",
+                     markup=False, highlight=False, soft_wrap=True)
+        return None
+    measurements.record(key, probed, "layers")
+    return probed
 
 
 def at(points: dict[int, float], rows: float) -> float:

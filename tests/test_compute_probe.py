@@ -1,0 +1,127 @@
+"""The planner's probe of one of the model's own layers: it times a layer of every kind of family the
+executor runs (sliding windows past their window, state-space and hybrid stacks, linear attention,
+RWKV, a family with a cache of its own), shrinks a config the way transformers sets a layer count,
+and where it still cannot time a layer the plan goes on from the matmul rates, saying so in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from cli_runner import run
+from zerolite.io.device import CpuDevice
+from zerolite.planner import compute_probe, hardware, measurements
+from zerolite.planner.compute_probe import LAYER_CONTEXT, LAYER_ROWS, probe_layer
+from zerolite.planner.shrunk_config import PROBE_VOCAB, shrunk
+
+ATTENTION = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+WINDOW = LAYER_CONTEXT // 2  # the probe's prefill alone runs past it
+# One tiny config per kind of layer stack, each as transformers builds it.
+FAMILIES = {
+    "gemma2": dict(sliding_window=WINDOW),                      # sliding and full attention, alternating
+    "gemma3_text": dict(sliding_window=WINDOW),
+    "cohere2": dict(sliding_window=WINDOW),
+    "gpt_oss": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+    "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=4),   # state space, layer_types read-only
+    "mamba2": dict(state_size=8, expand=2, num_heads=4, head_dim=16, n_groups=1, conv_kernel=4, chunk_size=16),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+                  mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, use_mamba_kernels=False),
+    "bamba": dict(attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                  mamba_chunk_size=16),
+    "recurrent_gemma": dict(lru_width=32, attention_window_size=WINDOW, block_types=["recurrent", "attention"]),
+    "qwen3_next": dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
+                       full_attention_interval=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32),
+    "minimax": dict(num_local_experts=4, num_experts_per_tok=2, block_size=8),   # a cache class of its own
+    "rwkv": dict(attention_hidden_size=32, context_length=256),                  # a `state`, not a cache
+    "llama": dict(),
+}
+
+
+def tiny(family: str, **overrides):
+    return AutoConfig.for_model(family, **{**ATTENTION, **FAMILIES[family], **overrides})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_probe_times_a_layer_of_every_kind_of_family(family):
+    probed = probe_layer(tiny(family), torch.float32, CpuDevice())
+    rows = list(probed["layer"])
+    assert rows == list(LAYER_ROWS[:len(rows)]) and len(rows) >= 2 and list(probed["step"]) == rows
+    assert all(seconds > 0 for seconds in probed["layer"].values())
+    assert all(seconds >= 0 for seconds in probed["step"].values())
+
+
+def test_a_sliding_window_is_decoded_past_its_end_without_rolling_a_cache_back():
+    """A sliding layer's cache keeps only its window: one that a step ran past cannot be cropped
+    back to the context before it, so the probe must never try (it once did, after every step)."""
+    config = tiny("gemma2")
+    assert config.sliding_window < LAYER_CONTEXT and "sliding_attention" in shrunk(config, 2).layer_types
+    probed = probe_layer(config, torch.float32, CpuDevice())
+    assert len(probed["layer"]) >= 2
+
+
+def test_a_shrunk_config_keeps_the_family_s_own_layer_pattern():
+    jamba = shrunk(tiny("jamba"), 2)  # derived from attn_layer_period and _offset: a read-only property
+    assert (jamba.num_hidden_layers, jamba.layers_block_type) == (2, ["mamba", "attention"])
+    bamba = shrunk(tiny("bamba"), 2)  # layers named by index: those still there
+    assert bamba.attn_layer_indices == [1] and bamba.layers_block_type == ["linear_attention", "full_attention"]
+    gemma = shrunk(tiny("gemma2", num_hidden_layers=6), 3)  # a list given per layer: its first entries
+    assert gemma.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    mamba = shrunk(tiny("mamba"), 1)
+    assert mamba.layer_types == ["linear_attention"] and mamba.vocab_size == PROBE_VOCAB
+    composite = AutoConfig.for_model("gemma3", text_config={**ATTENTION, "num_hidden_layers": 6},
+                                     vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                        intermediate_size=64))
+    small = shrunk(composite, 2)
+    assert type(small) is type(composite) and small.text_config.num_hidden_layers == 2
+    assert composite.text_config.num_hidden_layers == 6  # the model's own config is left as it was
+
+
+def test_the_probe_stops_at_the_rows_its_time_allows(monkeypatch):
+    """A row count that would take the probe past PROBE_SECONDS is not begun: the first two always run."""
+    monkeypatch.setattr(compute_probe, "PROBE_SECONDS", 0.0)
+    probed = probe_layer(tiny("llama"), torch.float32, CpuDevice())
+    assert list(probed["layer"]) == list(LAYER_ROWS[:2])
+
+
+FALLBACK = "plan: could not time one of this model's layers (no layer here); compute estimated from matmul rates"
+
+
+@pytest.fixture
+def failing_probe(tmp_path, monkeypatch):
+    """A probe that raises, in a cache of the test's own where the matmul rates are recorded (their
+    probe takes seconds), and a folder holding a tiny model's config alone."""
+    monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))
+    rates = {weights: {str(rows): 1e-9 for rows in (1, 1024)} for weights in ("stored", "int8", "int4")}
+    measurements.record(measurements.compute_key(CpuDevice(), torch.float32), rates, "compute")
+
+    def fails(*args):
+        raise ValueError("no layer here\nand a second line the user need not read")
+
+    monkeypatch.setattr(hardware, "probe_layer", fails)
+    folder = tmp_path / "model"
+    tiny("llama").save_pretrained(folder)
+    return folder
+
+
+def test_a_probe_that_fails_leaves_plan_to_the_matmul_rates_in_one_line(failing_probe, capsys, monkeypatch):
+    result = run(capsys, monkeypatch, "plan", "--model", failing_probe, "--device", "cpu", "--dtype", "fp32",
+                 "--disk-gbps", "2GB/s", "--json")
+    assert result.code == 0, result.stderr
+    assert result.stderr.strip().splitlines() == [FALLBACK]
+    assert "layer" not in json.loads(result.stdout)["hardware"]["sources"]
+
+
+def test_a_probe_that_fails_costs_generate_nothing(failing_probe, make_source, tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 0, "input_ids": [5, 17, 33]}\n')
+    monkeypatch.setattr(measurements, "DISK_RECORDED_BYTES", 0)  # the tiny model's file stands for its disk
+    result = run(capsys, monkeypatch, "generate", "--model", make_source("llama"), "--device", "cpu", "--input", prompts,
+                 "--output", tmp_path / "out.jsonl", "--max-new-tokens", "3")
+    assert result.code == 0, result.stderr
+    assert result.stderr.count(FALLBACK) == 1 and "plan for 1 prompts" in result.stderr
+    assert len(json.loads((tmp_path / "out.jsonl").read_text())["token_ids"]) == 3
