@@ -125,3 +125,19 @@ def test_a_probe_that_fails_costs_generate_nothing(failing_probe, make_source, t
     assert result.code == 0, result.stderr
     assert result.stderr.count(FALLBACK) == 1 and "plan for 1 prompts" in result.stderr
     assert len(json.loads((tmp_path / "out.jsonl").read_text())["token_ids"]) == 3
+
+
+def test_any_fault_of_the_planner_leaves_generate_its_defaults(make_source, tmp_path, capsys, monkeypatch):
+    """Not the probe alone: whatever the planner raises, generate runs on the default budgets."""
+    from zerolite.planner import for_job
+
+    def faulty(*args):
+        raise KeyError("rope_theta")
+
+    monkeypatch.setattr(for_job, "choose_for_job", faulty)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 0, "input_ids": [5, 17, 33]}\n')
+    result = run(capsys, monkeypatch, "generate", "--model", make_source("llama"), "--device", "cpu", "--input", prompts,
+                 "--output", tmp_path / "out.jsonl", "--max-new-tokens", "3")
+    assert result.code == 0, result.stderr
+    assert "plan: none for this job ('rope_theta'); the default budgets stand" in result.stderr.splitlines()

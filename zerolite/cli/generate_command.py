@@ -123,7 +123,7 @@ def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) 
     """zerolite plan's search for this job, for what the user left open: the batch (auto), the
     host budget and the prefetch depth. Returns the batch it chose (None where it was given), load with the budget set,
     and a line saying so. Where the planner cannot say (no config it can read, a model it thinks
-    cannot fit), the defaults stand: the loader's own checks have the last word."""
+    cannot fit, or a fault of its own), the defaults stand: the loader's own checks have the last word."""
     from zerolite.planner.for_job import choose_for_job
     from zerolite.runtime.policy import Policy
 
@@ -134,8 +134,9 @@ def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) 
         return None, load, None  # the loader says what is wrong with it
     try:
         best = choose_for_job(load, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), load["device"]).best
-    except ZeroliteError as e:
-        return None, load, f"plan: none for this job ({e}); the default budgets stand"
+    except Exception as e:  # noqa: BLE001 - a plan is advice: whatever stops it, the run goes on with the defaults
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return None, load, f"plan: none for this job ({reason}); the default budgets stand"
     c = best.candidate
     chosen = []
     if batch is None:
