@@ -170,3 +170,15 @@ def test_kv_bytes_count_the_layers_that_attend_only():
     assert kv_bytes_per_token(tiny_config("rwkv"), torch.float32) == 0
     assert kv_bytes_per_token(tiny_config("jamba", layers=4), torch.float32) == 2 * per_layer  # layers 1 and 3
     assert kv_bytes_per_token(tiny_config("gemma2"), torch.float32) == 3 * per_layer  # windows counted in full
+
+
+@pytest.mark.parametrize("arch", ["minimax", "rwkv"])
+def test_kv_offload_of_a_model_with_a_cache_of_its_own_is_refused_in_one_line(arch, make_layout, prompts_file, capsys,
+                                                                               monkeypatch, tmp_path):
+    """MiniMax's forward takes only its own cache class (RWKV keeps a state of its own), and
+    --kv-offload's cache is a DynamicCache: refused before loading, not as the forward's ValueError.
+    (A layout: a checkpoint that cannot stream in place would say first that it converts it.)"""
+    result = zerolite_cli(capsys, monkeypatch, "generate", "--model", make_layout(arch), "--input", prompts_file,
+                          "--output", tmp_path / "out.jsonl", "--max-new-tokens", NEW_TOKENS, "--offload", "cpu",
+                          "--kv-offload", "0.5")
+    assert_one_line_error(result, "keeps its cache in a class of its own", "leave out --kv-offload")

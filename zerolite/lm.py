@@ -14,7 +14,7 @@ import os
 import time
 
 import torch
-from transformers import AutoConfig, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.convert.resolve import ensure_layout
@@ -268,6 +268,8 @@ def load(
         def prepare() -> None:
             nonlocal layout, target, tokenizer
             layout = open_layout(layout_folder, dtype)
+            if policy.kv_offload > 0:
+                refuse_kv_offload_of_a_cache_of_its_own(AutoConfig.from_pretrained(layout.side_folder))
             target = rank_device(policy, world)
             target.adopt_thread()  # what transformers allocates on "cuda" lands on the model's GPU, not GPU 0
             tokenizer = load_tokenizer(layout.side_folder)
@@ -293,6 +295,16 @@ def load(
     if world.leads and executor.loaded_bytes >= FILL_RECORDED_BYTES:  # what filling memory costs here, for zerolite plan
         measurements.record_fill(executor.loaded_bytes, executor.loaded_bytes / executor.load_read_gbps / 1e9)
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s, world)
+
+
+def refuse_kv_offload_of_a_cache_of_its_own(config) -> None:
+    """A model whose forward makes a cache class of its own (MiniMax's, RWKV's state) refuses any
+    other, and kv_offload's cache is a DynamicCache: said before anything loads, in transformers'
+    own words for such models (_supports_default_dynamic_cache), not as the forward's ValueError."""
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is not None and not model_class._supports_default_dynamic_cache():
+        raise ZeroliteError(f"{model_class.__name__} keeps its cache in a class of its own, which `kv_offload` cannot "
+                            "split between device and host memory: leave out `kv_offload`")
 
 
 def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,
