@@ -22,6 +22,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.blocks import module_path, partition, stored_tensors
 from zerolite.quant.quantize import WeightScheme, quantizable_linears
+from zerolite.runtime.kv_cache import kv_bytes_per_token
 
 WEIGHT_FORMATS = ("stored", "int8", "int4")
 
@@ -45,8 +46,8 @@ class ModelCosts:
     experts: int                      # experts per layer (0: dense)
     experts_per_token: int
     head_weights: int                 # the output projection's, multiplied once per token
-    attention_width: int              # query heads x head width: attention's cost per position of context
-    kv_bytes_per_token: int           # K and V of every layer, for one position of one sequence
+    attention_width: int              # query heads x head width: attention's cost per position of context (0: none)
+    kv_bytes_per_token: int           # K and V of the layers that attend, for one position of one sequence
     hidden_size: int
     intermediate_size: int
     vocab_size: int
@@ -86,16 +87,15 @@ class ModelCosts:
             stored = scheme.meta_tensors(layer, targets)
             formats[weights] = FormatCosts(aligned(sum(t.nbytes for t in stored.values())), always,
                                            formats["stored"].expert_bytes)
-        heads = int(text.num_attention_heads)
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        heads = int(getattr(text, "num_attention_heads", None) or 0)  # none in a state-space model (Mamba, RWKV)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads) if heads else 0
         vocab = int(text.vocab_size)
         return cls(
             name=name or getattr(config, "_name_or_path", "") or config.model_type, dtype=dtype, layers=len(layer_blocks),
             formats=formats, dense_weights=linear_weights, expert_weights=expert_weights,
             experts=experts if expert_names else 0, experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
             head_weights=vocab * int(text.hidden_size), attention_width=heads * head_dim,
-            kv_bytes_per_token=2 * len(layer_blocks) * kv_heads * head_dim * dtype.itemsize,
+            kv_bytes_per_token=kv_bytes_per_token(config, dtype),
             hidden_size=int(text.hidden_size), intermediate_size=int(getattr(text, "intermediate_size", 0) or 4 * text.hidden_size),
             vocab_size=vocab,
         )
