@@ -141,3 +141,24 @@ def test_any_fault_of_the_planner_leaves_generate_its_defaults(make_source, tmp_
                  "--output", tmp_path / "out.jsonl", "--max-new-tokens", "3")
     assert result.code == 0, result.stderr
     assert "plan: none for this job ('rope_theta'); the default budgets stand" in result.stderr.splitlines()
+
+
+def test_each_measuring_step_says_what_it_measures_on_a_terminal(tmp_path, monkeypatch):
+    """What plan and generate measure before their first line shows, named, while it runs."""
+    import io
+
+    from rich.console import Console
+
+    from zerolite import progress
+    from zerolite.planner.hardware import Hardware
+
+    monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))
+    screen = io.StringIO()
+    monkeypatch.setattr(progress, "stderr", Console(file=screen, force_terminal=True, width=120))
+    monkeypatch.setattr(hardware, "probe_compute", lambda *args: {"stored": {1: 1e-9}})  # the real one takes seconds
+    Hardware.here("cpu", tmp_path, torch.float32, measure_disk=lambda folder: {"read_gbps": 2.0, "bytes": 1 << 30},
+                  model=(tiny("llama"), 1 << 20))
+    shown = screen.getvalue()
+    for what in (f"measuring disk: reading {tmp_path}", "measuring compute: matmul rates",
+                 "measuring compute: one of this model's layers"):
+        assert what in shown, shown
