@@ -27,10 +27,11 @@ def test_a_dry_run_writes_every_section_of_the_report(tmp_path, gpu_quick):
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, str(TOOL), "--dry-run", "--out", str(out)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads((out / "gpu_quick.json").read_text())
+    not_ok = {name: step for name, step in report["steps"].items() if step["status"] != "ok"}
+    assert done.returncode == 0 and not not_ok, (json.dumps(not_ok, indent=1), done.stderr[-3000:])
     assert report["dry_run"] and report["seconds"] < report["budget_s"]
-    assert {name: step["status"] for name, step in report["steps"].items()} == {step.name: "ok" for step in gpu_quick.STEPS}
+    assert list(report["steps"]) == [step.name for step in gpu_quick.STEPS]
 
     machine = report["machine"]
     assert machine["cpus"] >= 1 and machine["torch"] and machine["transformers"] and "pcie" in machine
@@ -74,7 +75,7 @@ def test_a_cuda_traces_copy_stream_busy_share_gap_and_overlap(gpu_quick):
 
     trace = {"traceEvents": [
         event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 7, 0, 100),
-        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 7, 150, 150),
+        {**event("gpu_memcpy", "Memcpy", 7, 150, 150), "args": {"stream": 7, "copy kind": "HtoD"}},  # torch's own exporter
         event("kernel", "ampere_bf16_gemm", 3, 50, 150),
         event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 3, 300, 10),   # not a copy in
         event("gpu_memset", "Memset (Device)", 3, 0, 5),                     # not a kernel

@@ -2,7 +2,7 @@
 """The GPU in at most ~9 minutes, with no network: what a short loan of a GPU machine should bring back.
 
     tools/gpu_quick.sh "$OUT"                           # on the GPU machine: wheels, the extension, then this
-    python tools/gpu_quick.py --out DIR [--budget-s 540] [--scratch DIR] [--steps copy,matmul,...]
+    python tools/gpu_quick.py --out DIR [--budget-s 480] [--scratch DIR] [--steps copy,matmul,...]
     python tools/gpu_quick.py --dry-run --out DIR       # here: every step on the simulated device, tiny shapes
 
 Steps, each in a process of its own with its own time limit (a step that fails, hangs or runs out
@@ -162,15 +162,26 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def cuda_test_files() -> list[str]:
+    """The test modules with cuda-marked tests, less those that import what the GPU image lacks at
+    collection (test_serve: uvicorn): collecting only these is faster, and a module that fails to
+    import elsewhere cannot stop the run (--continue-on-collection-errors besides)."""
+    return [str(path.relative_to(ROOT)) for path in sorted((ROOT / "tests").glob("test_*.py"))
+            if path.name not in CUDA_TESTS_LEFT_OUT and "mark.cuda" in path.read_text(errors="replace")]
+
+
+CUDA_TESTS_LEFT_OUT = {"test_serve.py"}
+
+
 def pytest_command(dry: bool, sanitized: bool) -> list[str]:
     """The cuda-marked tests, their real-device parameters only (a dry run: one cheap case's sim parameter)."""
-    base = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-            "--ignore", str(ROOT / "tests" / "test_serve.py"), "-rfE"]
+    base = [sys.executable, "-m", "pytest", *cuda_test_files(), "-m", "cuda", "-q", "-p", "no:cacheprovider",
+            "-o", "addopts=", "-rfE", "--continue-on-collection-errors"]
     if dry:
         k = "sim and kv_cache_partly" if sanitized else "sim and registered_in_chunks"
         return [*base, "-k", k]
     k = f"not sim and {TESTS_SANITIZED_K}" if sanitized else f"not sim and not {TESTS_SANITIZED_K}"
-    workers = ["-n", "4"] if _has_module("xdist") else []
+    workers = ["-n", "6"] if _has_module("xdist") else []
     return [*base, "-k", k, *workers]
 
 
@@ -278,17 +289,12 @@ class Parent:
             try:
                 process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, start_new_session=True)
-                try:
-                    returncode = process.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-                    returncode = None
+                returncode = self.wait(process, step, results, started + timeout)
             except OSError as e:
                 sink.write(f"could not start: {e}\n")
                 returncode = 127
             seconds = time.perf_counter() - started
+        cap(log)
         output = read_from(log, offset)
         status = "ok" if returncode == 0 else ("timed out" if returncode is None else f"failed (exit {returncode})")
         record = {"status": status, "seconds": round(seconds, 1), "limit_s": timeout}
@@ -298,6 +304,7 @@ class Parent:
                 data = json.loads(results.read_text())
         if "error" in data:
             record["error"] = data.pop("error")
+            record["traceback"] = data.pop("traceback", None)
         if tests:
             data = {**tests_summary(output, command, returncode), "sanitizer": env.get("TORCH_CUDA_SANITIZER") == "1"}
         if status != "ok":
@@ -306,6 +313,30 @@ class Parent:
         self.merge(step.name, data)
         say(f"{step.name}: {status} in {seconds:.1f} s" + (f": {record['error']}" if "error" in record else "")
             + headline(step.name, data))
+
+    def wait(self, process: subprocess.Popen, step: Step, results: Path, until: float) -> int | None:
+        """The step's exit status, or None once it ran out of time (killed, with its children). Meanwhile
+        what it saved so far goes into the report every few seconds, so that a kill of this whole
+        script still leaves it."""
+        seen = None
+        while True:
+            try:
+                return process.wait(timeout=max(min(5.0, until - time.perf_counter()), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+            if time.perf_counter() >= until:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # one stuck in the driver is left behind
+                    process.wait(timeout=20)
+                return None
+            with contextlib.suppress(OSError, ValueError):
+                stamp = results.stat().st_mtime_ns
+                if stamp != seen:
+                    seen = stamp
+                    self.report["steps"][step.name] = {"status": "running"}
+                    self.merge(step.name, {k: v for k, v in json.loads(results.read_text()).items() if k != "traceback"})
+                    self.write()
 
     def merge(self, name: str, data: dict) -> None:
         if name.startswith("stream-"):
@@ -321,10 +352,27 @@ class Parent:
         write_atomically(self.out / "gpu_quick.md", markdown(self.report))
 
 
+LOG_LIMIT = 15 * MiB  # what the GPU machine gives back is at most 16 MiB a file
+
+
+def cap(path: Path) -> None:
+    """Keeps a log under LOG_LIMIT: its first and last parts, the middle cut out."""
+    with contextlib.suppress(OSError):
+        size = path.stat().st_size
+        if size > LOG_LIMIT:
+            with open(path, "rb") as f:
+                head = f.read(LOG_LIMIT // 4)
+                f.seek(size - LOG_LIMIT // 2)
+                rest = f.read()
+            path.write_bytes(head + f"\n[... {size - len(head) - len(rest)} bytes cut ...]\n".encode() + rest)
+
+
 def read_from(path: Path, offset: int) -> str:
-    with open(path, errors="replace") as f:
-        f.seek(offset)
-        return f.read()
+    """What a step wrote to its log (its last MiB where cap() cut the log since)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(offset if offset <= size else max(size - MiB, 0))
+        return f.read().decode(errors="replace")
 
 
 def tail(text: str, lines: int) -> str:
@@ -383,6 +431,29 @@ def derive(report: dict) -> None:
                 result["moved_gbps"] = round(moved / step / 1e9, 3)
                 result["share_of_pinned_rate"] = round(moved / step / 1e9 / layer, 3) if layer else None
                 result["link_bound_step_s"] = round(moved / (layer * 1e9), 4) if layer else None
+    report["headline"] = headline_figures(report)
+
+
+def headline_figures(report: dict) -> dict:
+    """What the issue asks the note to quote: the link-busy share, the step against the link bound,
+    int4's speed against bf16."""
+    figures: dict = {}
+    for batch in ("1", "32"):
+        with contextlib.suppress(Exception):
+            figures[f"copy_busy_share_batch_{batch}"] = report["profile"]["batches"][batch]["copy_busy_share"]
+            figures[f"longest_copy_gap_ms_batch_{batch}"] = report["profile"]["batches"][batch]["longest_copy_gap_ms"]
+    for batch in ("1", "32"):
+        with contextlib.suppress(Exception):
+            pinned = report["streaming"]["pinned"]["batches"][batch]
+            figures[f"pinned_step_s_batch_{batch}"] = pinned["median_step_s"]
+            figures[f"pinned_link_bound_s_batch_{batch}"] = pinned.get("link_bound_step_s")
+            figures[f"pinned_share_of_link_batch_{batch}"] = pinned.get("share_of_pinned_rate")
+    for row in report.get("matmul", {}).get("rows", []):
+        for variant in ("int4_fused", "int4_today"):
+            speedup = ratio(row.get("bf16_ms"), row.get(f"{variant}_ms"))
+            if speedup:
+                figures[f"{variant}_vs_bf16_rows_{row['rows']}"] = speedup
+    return figures
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +481,10 @@ def markdown(report: dict) -> str:
              f"{report['started']}, commit {report.get('commit') or 'unknown'}, budget {report['budget_s']} s"
              + (f", took {report['seconds']} s" if "seconds" in report else "")]
 
+    figures = report.get("headline") or {}
+    parts.append("## Headline\n\n" + (table(["figure", "value"], [[k, v] for k, v in figures.items()]) if figures else "nothing yet")
+                 + "\n\n(copy busy share: of the profiled decode steps' GPU time; share of link: a step's bytes over its "
+                 "time over the pinned rate at a layer's size; x vs bf16: bf16's time over the variant's, above 1 faster)")
     parts.append("## Steps\n\n" + table(["step", "status", "seconds", "limit s", "error"],
                                         [[n, s["status"], s.get("seconds"), s.get("limit_s"), s.get("error") or s.get("why")]
                                          for n, s in report["steps"].items()]))
@@ -623,8 +698,11 @@ def step_copy(c: Child) -> None:
     stream = device.new_stream()
     rates = []
     c.save(rates=rates)
-    weight = torch.randn(4096 if not c.dry else 256, 8192 if not c.dry else 256, dtype=torch.bfloat16, device=device.torch_device)
-    activations = torch.randn(2048 if not c.dry else 64, weight.shape[1], dtype=torch.bfloat16, device=device.torch_device)
+    # Large matmuls (~1 TFLOP each on a GPU): a few dozen queued outlast the copies, well within the
+    # launch queue (a full queue would block the host, and the copies would be queued after the matmuls ran).
+    side = 8192 if not c.dry else 256
+    weight = torch.randn(side, side, dtype=torch.bfloat16, device=device.torch_device)
+    activations = torch.randn(side, side, dtype=torch.bfloat16, device=device.torch_device)
     for nbytes in copy_sizes(c.shapes):
         label = "256 MiB" if nbytes == c.shapes.copy_sizes[0] else "layer"
         host = device.pinned_empty(nbytes)
@@ -672,7 +750,7 @@ def beside_matmuls(c: Child, device, stream, copies, span_s: float, weight, acti
     with Clock(device).time(one):
         for _ in range(3):
             F.linear(activations, weight)
-    count = max(1, int(span_s / (one[0] / 3)))
+    count = max(1, min(500, int(span_s / (one[0] / 3)) + 1))
     matmul_begin = device.record(timing=True)
     for _ in range(count):
         F.linear(activations, weight)
@@ -933,34 +1011,43 @@ def stream_case(c: Child, case: str) -> None:
                 c.save(batches=batches)
                 continue
             ids = prompts(s.vocab, batch, prompt)
-            clock = StepClock(lambda rows: None)
             read_before = lm.bytes_read
             began = time.perf_counter()
+
+            def record(done: bool) -> None:
+                """The batch's figures so far, saved after a slow step too (a second or more: from disk), so that
+                a kill mid-batch leaves its steps; saving after a fast one would add to the next step's time."""
+                if not done and (len(clock.times) < 2 or clock.times[-1] - clock.times[-2] < 1.0):
+                    return
+                steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+                median = statistics.median(steps) if steps else None
+                forwards = max(len(clock.times) - 1, 1)
+                kv_bytes = 0
+                if policy.get("kv_offload"):  # the host layers' K/V crosses the link at every step (an estimate)
+                    seq = prompt + new_tokens // 2
+                    kv_bytes = int(policy["kv_offload"] * s.layers) * batch * seq * s.kv_bytes_per_token()
+                batches[str(batch)] = {
+                    "median_step_s": round(median, 5) if median else None, "steps": len(steps),
+                    "step_s": [round(x, 5) for x in steps], "prefill_s": round(clock.prefill_s, 4),
+                    "tokens_per_s": round(batch / median, 2) if median else None,
+                    "generate_s": round(time.perf_counter() - began, 2), "weight_bytes_per_step": streamed_bytes,
+                    "kv_bytes_per_step_estimate": kv_bytes, "moved_bytes_per_step": streamed_bytes + kv_bytes,
+                    "read_gb_per_forward": round((lm.bytes_read - read_before) / forwards / 1e9, 3),
+                    **({} if done else {"partial": True}),
+                }
+                c.save(batches=batches)
+
+            clock = StepClock(lambda rows: record(False))
             try:
                 with torch.no_grad():
                     lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
             except Exception as e:
-                batches[str(batch)] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+                batches[str(batch)] = {**batches.get(str(batch), {}), "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
                 c.save(batches=batches)
                 continue
             previous_s = time.perf_counter() - began
-            steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
-            median = statistics.median(steps) if steps else None
-            forwards = len(clock.times) - 1
-            kv_bytes = 0
-            if policy.get("kv_offload"):  # the host layers' K/V crosses the link at every step (an estimate)
-                seq = prompt + new_tokens // 2
-                kv_bytes = int(policy["kv_offload"] * s.layers) * batch * seq * s.kv_bytes_per_token()
-            batches[str(batch)] = {
-                "median_step_s": round(median, 5) if median else None, "steps": len(steps),
-                "step_s": [round(x, 5) for x in steps], "prefill_s": round(clock.prefill_s, 4),
-                "tokens_per_s": round(batch / median, 2) if median else None, "generate_s": round(previous_s, 2),
-                "weight_bytes_per_step": streamed_bytes, "kv_bytes_per_step_estimate": kv_bytes,
-                "moved_bytes_per_step": streamed_bytes + kv_bytes,
-                "read_gb_per_forward": round((lm.bytes_read - read_before) / max(forwards, 1) / 1e9, 3),
-            }
-            c.save(batches=batches)
+            record(True)
         peak = lm.device.peak_allocated()
         c.save(peak_device_gib=round(peak / 2**30, 2) if peak else None)
     finally:
@@ -980,9 +1067,11 @@ def intervals_from_trace(trace: dict) -> list[tuple[str, object, float, float]]:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         category, name = str(e.get("cat", "")).lower(), str(e.get("name", ""))
-        stream = (e.get("args") or {}).get("stream", e.get("tid"))
+        args = e.get("args") or {}
+        stream = args.get("stream", e.get("tid"))
         start = float(e["ts"])
-        if category == "gpu_memcpy" and "HtoD" in name:
+        # Kineto names a copy "Memcpy HtoD (Pinned -> Device)"; torch's own exporter "Memcpy", its kind in args
+        if category == "gpu_memcpy" and ("HtoD" in name or args.get("copy kind") == "HtoD"):
             found.append(("copy", stream, start, start + float(e["dur"])))
         elif category == "kernel":
             found.append(("kernel", stream, start, start + float(e["dur"])))
@@ -1139,7 +1228,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu_quick_out"), help="where the report goes (made if missing)")
     parser.add_argument("--dry-run", action="store_true", help="every step on the simulated device, tiny shapes (no GPU needed)")
-    parser.add_argument("--budget-s", type=int, default=None, help="seconds for all the steps (default: 540; a dry run 150)")
+    parser.add_argument("--budget-s", type=int, default=None, help="seconds for all the steps (default: 480; a dry run 150)")
     parser.add_argument("--scratch", default=None, help="where the model folder goes (default: /var/tmp, /tmp or build/, not tmpfs)")
     parser.add_argument("--steps", type=lambda text: text.split(","), default=None,
                         help=f"only these steps (default: all): {','.join(step.name for step in STEPS)}")
@@ -1151,7 +1240,7 @@ def parse_args() -> argparse.Namespace:
         if unknown:
             parser.error(f"unknown step {unknown[0]!r}: choose from {', '.join(step.name for step in STEPS)}")
     if args.budget_s is None:
-        args.budget_s = 150 if args.dry_run else 540
+        args.budget_s = 150 if args.dry_run else 480
     args.out = args.out.resolve()
     if args.child is None:
         args.scratch = pick_scratch(args.scratch) if not args.dry_run or args.scratch else None
