@@ -268,12 +268,12 @@ class Parent:
     def run_step(self, step: Step, timeout: int) -> None:
         say(f"{step.name}: started (limit {timeout} s)")
         tests = step.name.startswith("tests")
-        if tests:
-            command = pytest_command(self.dry, step.name == "tests-sanitized")
+        if tests:  # in a folder of its own: pytest's pruning of old runs in its default one never meets another pytest's
+            command = [*pytest_command(self.dry, step.name == "tests-sanitized"), "--basetemp", str(self.scratch / f"pytest-{step.name}")]
         else:
             command = [sys.executable, str(Path(__file__).resolve()), "--child", step.name, "--scratch", str(self.scratch),
                        "--out", str(self.out), "--deadline", str(time.time() + timeout - 3)] + (["--dry-run"] if self.dry else [])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "TRANSFORMERS_VERBOSITY": "error", "ZEROLITE_CACHE": str(self.scratch / "cache")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         if step.name == "tests-sanitized" and not self.dry:  # a CPU build of torch has no CUDA to watch
@@ -517,7 +517,7 @@ def markdown(report: dict) -> str:
     parts.append("## Model folder\n\n" + table(["what", "value"], [
         ["layers x bytes", f"{f.get('layers')} x {f.get('layer_bytes')}" if f else None], ["GB written", gb(f.get("bytes"))],
         ["write s (with fsync)", f.get("write_s")], ["write GB/s", f.get("write_gbps")], ["page cache dropped", f.get("cache_dropped")],
-        ["reused", f.get("reused")], ["in-place layout", f.get("layout")]]))
+        ["reused", f.get("reused")], ["O_DIRECT opens", f.get("direct_io")], ["in-place layout", f.get("layout")]]))
 
     rows = []
     for name, case in report["streaming"].items():
@@ -562,7 +562,7 @@ def plan_line(case: dict) -> str:
     if not plan:
         return case.get("error", "not run")
     return (f"resident layers {plan['resident_layers']}, streamed {plan['streamed']}, of them from disk {plan['on_disk']}; "
-            f"load {case.get('load_s')} s")
+            f"ring {plan['prefetch_depth']}, engine {plan.get('io_backend')}; load {case.get('load_s')} s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -956,6 +956,9 @@ def step_folder(c: Child) -> None:
     else:
         c.save(bytes=sum((source / shard).stat().st_size for shard in shards))
     c.save(cache_dropped=drop_cached([source / shard for shard in shards]))
+    from zerolite.io.engine import supports_direct_io
+
+    c.save(direct_io=supports_direct_io(source / next(iter(shards))))
     started = time.perf_counter()
     folder = ensure_layout(str(source), c.scratch / "layouts", None, False, False)
     manifest = Layout.open(folder).manifest
@@ -999,7 +1002,8 @@ def stream_case(c: Child, case: str) -> None:
     blocks = folder["block_bytes"]
     plan = {"resident_layers": sum(1 for name in lm.plan.resident if name in lm.layout.manifest.layer_names),
             "streamed": len(lm.plan.streamed), "on_disk": len(lm.plan.on_disk),
-            "resident": list(lm.plan.resident), "prefetch_depth": lm.policy.prefetch_depth}
+            "resident": list(lm.plan.resident), "prefetch_depth": lm.policy.prefetch_depth,
+            "io_backend": lm.engine.backend}
     streamed_bytes = sum(blocks[name] for name in lm.plan.streamed)
     c.save(load_s=round(time.perf_counter() - started, 2), plan=plan, streamed_bytes=streamed_bytes)
     batches: dict = {}
