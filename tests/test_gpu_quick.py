@@ -43,7 +43,7 @@ def test_a_dry_run_writes_every_section_of_the_report(tmp_path, gpu_quick):
     for variant in ("bf16", "int8_today", "int8_fused", "int4_today", "int4_fused"):
         assert all(r[f"{variant}_ms"] > 0 for r in rows), variant
     assert report["matmul"]["int4_fused_max_rel_err"] < 0.02  # the fused kernel fed as it wants
-    assert report["folder"]["in_place"] and report["folder"]["layers"] == 8
+    assert report["folder"]["in_place"] and report["folder"]["layers"] == 8 and report["folder"]["disk_gbps"] > 0
 
     resident = {case: data["plan"]["resident_layers"] for case, data in report["streaming"].items()}
     assert resident == {"pinned": 0, "resident": 4, "disk": 0, "kv": 0}
@@ -54,6 +54,7 @@ def test_a_dry_run_writes_every_section_of_the_report(tmp_path, gpu_quick):
             assert batch["median_step_s"] > 0 and batch["moved_gbps"] > 0 and batch["share_of_pinned_rate"] > 0, case
     assert report["streaming"]["kv"]["batches"]["32"]["kv_bytes_per_step_estimate"] > 0
     assert report["streaming"]["disk"]["batches"]["1"]["read_gb_per_forward"] > 0
+    assert report["streaming"]["disk"]["batches"]["1"]["share_of_disk_rate"] > 0
 
     for batch in report["profile"]["batches"].values():
         assert batch["copies"] > 0 and batch["kernels"] > 0 and 0 < batch["copy_busy_share"] <= 1

@@ -423,14 +423,18 @@ def derive(report: dict) -> None:
     """Each streaming case's bytes per step over its time, against the pinned rate at a layer's size."""
     rates = {r["label"]: r for r in report.get("copy", {}).get("rates", [])}
     layer = rates.get("layer alone", {}).get("gbps")
-    report["pinned_gbps"] = layer
-    for case in report["streaming"].values():
+    disk = report.get("folder", {}).get("disk_gbps")
+    report["pinned_gbps"], report["disk_gbps"] = layer, disk
+    for name, case in report["streaming"].items():
         for result in case.get("batches", {}).values():
             step, moved = result.get("median_step_s"), result.get("moved_bytes_per_step")
             if step and moved:
                 result["moved_gbps"] = round(moved / step / 1e9, 3)
                 result["share_of_pinned_rate"] = round(moved / step / 1e9 / layer, 3) if layer else None
                 result["link_bound_step_s"] = round(moved / (layer * 1e9), 4) if layer else None
+                if name == "disk" and disk:  # its bound is the disk's rate, lower than the link's
+                    result["share_of_disk_rate"] = round(moved / step / 1e9 / disk, 3)
+                    result["disk_bound_step_s"] = round(moved / (disk * 1e9), 4)
     report["headline"] = headline_figures(report)
 
 
@@ -517,14 +521,16 @@ def markdown(report: dict) -> str:
     parts.append("## Model folder\n\n" + table(["what", "value"], [
         ["layers x bytes", f"{f.get('layers')} x {f.get('layer_bytes')}" if f else None], ["GB written", gb(f.get("bytes"))],
         ["write s (with fsync)", f.get("write_s")], ["write GB/s", f.get("write_gbps")], ["page cache dropped", f.get("cache_dropped")],
+        ["disk read GB/s (a layer's shard, O_DIRECT, 256 MiB requests)", f.get("disk_gbps")],
         ["reused", f.get("reused")], ["O_DIRECT opens", f.get("direct_io")], ["in-place layout", f.get("layout")]]))
 
     rows = []
     for name, case in report["streaming"].items():
         for batch, r in case.get("batches", {}).items():
+            note = r.get("error") or r.get("skipped") or (f"{r['share_of_disk_rate']} of the disk's rate" if "share_of_disk_rate" in r else None)
             rows.append([name, batch, r.get("median_step_s"), r.get("steps"), r.get("tokens_per_s"), gb(r.get("moved_bytes_per_step")),
                          r.get("moved_gbps"), r.get("share_of_pinned_rate"), r.get("link_bound_step_s"), r.get("read_gb_per_forward"),
-                         r.get("error") or r.get("skipped")])
+                         note])
     parts.append(f"## Streaming in place (pinned rate {cell(report.get('pinned_gbps'))} GB/s)\n\n"
                  + "\n".join(f"- {name}: {STREAM_CASES[name][1]}; " + plan_line(case) for name, case in report["streaming"].items())
                  + "\n\n" + table(["case", "batch", "median step s", "steps", "tokens/s", "GB moved/step", "GB/s",
@@ -919,6 +925,25 @@ def drop_cached(paths: list[Path]) -> bool:
         return False
 
 
+def disk_read_rate(path: Path, limit_s: float) -> dict:
+    """The disk's own rate: path (a layer's shard, out of the page cache) read through zerolite's
+    engine in 256 MiB requests, O_DIRECT, for at most limit_s."""
+    from zerolite.io.engine import ALIGNMENT, IoEngine, aligned_empty
+
+    engine = IoEngine()
+    request = 256 * MiB
+    buffer = aligned_empty(request)
+    size = path.stat().st_size // ALIGNMENT * ALIGNMENT
+    done, started = 0, time.perf_counter()
+    while done < size and time.perf_counter() - started < limit_s:
+        nbytes = min(request, size - done)
+        engine.read(path, buffer[:nbytes], done)
+        done += nbytes
+    seconds = time.perf_counter() - started
+    return {"disk_read_bytes": done, "disk_read_s": round(seconds, 3), "disk_gbps": round(done / seconds / 1e9, 3),
+            "disk_engine": engine.backend}
+
+
 def step_folder(c: Child) -> None:
     import concurrent.futures
 
@@ -958,7 +983,9 @@ def step_folder(c: Child) -> None:
     c.save(cache_dropped=drop_cached([source / shard for shard in shards]))
     from zerolite.io.engine import supports_direct_io
 
-    c.save(direct_io=supports_direct_io(source / next(iter(shards))))
+    first = source / next(iter(shards))
+    c.save(direct_io=supports_direct_io(first))
+    c.save(**disk_read_rate(first, limit_s=6.0))
     started = time.perf_counter()
     folder = ensure_layout(str(source), c.scratch / "layouts", None, False, False)
     manifest = Layout.open(folder).manifest
