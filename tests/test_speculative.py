@@ -52,6 +52,25 @@ def test_another_model_drafting_with_kv_offload_leaves_greedy_output_as_it_was(a
     assert torch.equal(plain, drafted)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_rejected_guesses_are_rolled_back_past_a_sliding_window(arch, make_layout):
+    """The prompt and answer run past the tiny models' windows (4 and 8 tokens): a window's layer
+    keeps what a rollback needs only while it records its past (transformers' assisted decoding
+    turns that on too), and each round's crop trims it back."""
+    layout, other = make_layout(arch, layers=4), make_layout(arch, layers=2, seed=1)
+    plain, drafted, _, _ = plain_and_drafted(layout, str(other), device="cpu", offload="nvme", cpu_memory=0)
+    assert torch.equal(plain, drafted)
+
+
+@pytest.mark.parametrize("arch, why", [("jamba", "carry a recurrent state"), ("recurrent_gemma", "carry a recurrent state"),
+                                       ("minimax", "class of its own"), ("rwkv", "class of its own")])
+def test_a_draft_for_a_model_whose_cache_cannot_be_rewound_is_refused(arch, why, make_layout):
+    """A recurrent state cannot be cropped back past rejected guesses (it would give other tokens),
+    and MiniMax and RWKV take no cache but their own: refused before anything loads."""
+    with pytest.raises(ZeroliteError, match=why):
+        zerolite.load(make_layout(arch), draft="self-int8", device="cpu", show_progress=False)
+
+
 @pytest.mark.alone  # the draft's length follows measured timings
 def test_a_draft_that_guesses_right_saves_passes_over_the_weights(make_layout):
     """The model drafting for itself (a copy of its own layout) is always right: each target pass

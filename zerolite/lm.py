@@ -15,6 +15,7 @@ import time
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.convert.resolve import ensure_layout
@@ -268,8 +269,9 @@ def load(
         def prepare() -> None:
             nonlocal layout, target, tokenizer
             layout = open_layout(layout_folder, dtype)
-            if policy.kv_offload > 0:
-                refuse_kv_offload_of_a_cache_of_its_own(AutoConfig.from_pretrained(layout.side_folder))
+            if policy.kv_offload > 0 or draft is not None:
+                refuse_what_its_cache_cannot_do(AutoConfig.from_pretrained(layout.side_folder), policy.kv_offload > 0,
+                                                draft is not None)
             target = rank_device(policy, world)
             target.adopt_thread()  # what transformers allocates on "cuda" lands on the model's GPU, not GPU 0
             tokenizer = load_tokenizer(layout.side_folder)
@@ -297,14 +299,28 @@ def load(
     return OffloadedLM(executor, tokenizer, time.perf_counter() - started, convert_s, draft_lm, guess_s, world)
 
 
-def refuse_kv_offload_of_a_cache_of_its_own(config) -> None:
-    """A model whose forward makes a cache class of its own (MiniMax's, RWKV's state) refuses any
-    other, and kv_offload's cache is a DynamicCache: said before anything loads, in transformers'
-    own words for such models (_supports_default_dynamic_cache), not as the forward's ValueError."""
+def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> None:
+    """Said before anything loads, not as a forward's error (or, rewinding a state, wrong tokens):
+
+    - a model whose forward makes a cache class of its own (MiniMax's, RWKV's state) refuses any
+      other, and kv_offload's cache and a draft's are DynamicCaches (transformers' own test for such
+      models: _supports_default_dynamic_cache);
+    - speculative decoding rewinds the target's cache past the guesses it rejects, which crop cannot
+      do to a recurrent state (state-space, linear-attention and recurrent layers: transformers'
+      LinearAttention cache layers, which are not is_croppable once they hold one)."""
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    name = model_class.__name__ if model_class is not None else type(config).__name__
     if model_class is not None and not model_class._supports_default_dynamic_cache():
-        raise ZeroliteError(f"{model_class.__name__} keeps its cache in a class of its own, which `kv_offload` cannot "
-                            "split between device and host memory: leave out `kv_offload`")
+        if kv_offload:
+            raise ZeroliteError(f"{name} keeps its cache in a class of its own, which `kv_offload` cannot split between "
+                                "device and host memory: leave out `kv_offload`")
+        raise ZeroliteError(f"{name} keeps its cache in a class of its own, which speculative decoding cannot rewind: "
+                            "leave out `draft`")
+    if draft:
+        layers = DynamicCache(config=config.get_text_config(decoder=True)).layers
+        if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers):
+            raise ZeroliteError(f"{name} has layers that carry a recurrent state, which speculative decoding cannot "
+                                "rewind past the guesses it rejects: leave out `draft`")
 
 
 def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,

@@ -118,13 +118,20 @@ class Forwards:
         if self.model._supports_logits_to_keep():
             inputs["logits_to_keep"] = logits
         out = self.model(**inputs)
+        if not self.seen:
+            # After the prefill, as transformers' assisted decoding does: a sliding window's layers
+            # (and a state's) then keep what a rewind may need, until the round's crop trims them.
+            self.cache.activate_past_recording()
         self.seen = length
         return out.logits[:, -logits:].float()
 
     def rewind(self, length: int) -> None:
-        if self.seen > length:
-            self.cache.crop(length - self.seen)  # transformers 5 crops by the count to remove, negative
-            self.seen = length
+        """Forgets the tokens past length (transformers 5 crops by the count to remove, negative); at
+        every round, even with none to forget, as crop(0) trims a window back to its size. Not
+        before the first forward (a round that drafted nothing): a window's crop needs its states."""
+        if self.seen:
+            self.cache.crop(min(length - self.seen, 0))
+            self.seen = min(self.seen, length)
 
 
 def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
