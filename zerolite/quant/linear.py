@@ -51,7 +51,8 @@ class QuantizedLinear(nn.Module):
         self.dense: torch.Tensor | None = None  # the weight dequantised once, for a layer resident on a GPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # contiguous: the kernels read rows as they lie
+        # contiguous: the kernels read rows as they lie (mamba's projections are given a transposed input)
+        rows = x.reshape(-1, self.in_features).contiguous()
         y = F.linear(rows, self.dense) if self.dense is not None else self.multiply(rows)
         if self.bias is not None:
             y = y + self.bias
