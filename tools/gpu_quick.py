@@ -262,7 +262,9 @@ class Parent:
         self.write()
         say(f"done in {self.report['seconds']} s; report {self.out / 'gpu_quick.md'}"
             + (f"; not ok: {', '.join(failed)}" if failed else ""))
-        print((self.out / "gpu_quick.md").read_text())
+        # The headline and the steps' verdicts (what a look at the end of the output should show); the rest is in the files.
+        text = (self.out / "gpu_quick.md").read_text()
+        print(text[text.index("## Headline"):text.index("## Machine")].rstrip())
         return 1 if failed else 0
 
     def run_step(self, step: Step, timeout: int) -> None:
@@ -441,7 +443,10 @@ def derive(report: dict) -> None:
 def headline_figures(report: dict) -> dict:
     """What the issue asks the note to quote: the link-busy share, the step against the link bound,
     int4's speed against bf16."""
-    figures: dict = {}
+    figures: dict = {"pinned_gbps_at_a_layer": report.get("pinned_gbps"), "disk_gbps": report.get("disk_gbps")}
+    with contextlib.suppress(Exception):
+        figures["pinned_gbps_at_a_layer_beside_matmuls"] = report["copy"]["rates"][1]["beside_gbps"]
+    figures = {k: v for k, v in figures.items() if v is not None}
     for batch in ("1", "32"):
         with contextlib.suppress(Exception):
             figures[f"copy_busy_share_batch_{batch}"] = report["profile"]["batches"][batch]["copy_busy_share"]
@@ -502,7 +507,9 @@ def markdown(report: dict) -> str:
         ["python", m.get("python")]]))
 
     copy = report.get("copy", {})
-    parts.append("## Pinned host-to-device copies\n\n" + table(
+    parts.append("## Pinned host-to-device copies\n\n"
+                 + (f"PCIe link right after the copies (generation, width): {copy['pcie_after_copies']}\n\n"
+                    if copy.get("pcie_after_copies") else "") + table(
         ["size", "MB", "GB/s", "repeats", "beside matmuls: GB/s", "matmuls covered the copies"],
         [[r["label"], round(r["bytes"] / 1e6, 1), r.get("gbps"), r.get("repeats"), r.get("beside_gbps"), r.get("matmul_covered")]
          for r in copy.get("rates", []) if "alone" in r["label"]]))
@@ -731,6 +738,9 @@ def step_copy(c: Child) -> None:
                                          seconds[0] * 1.5, weight, activations)
         result.update(beside_gbps=round(nbytes * repeats / beside / 1e9, 3), beside_seconds=beside, matmul_covered=covered)
         c.save(rates=rates)
+        if not c.dry:  # an idle GPU's link may have stepped down to a lower generation when the machine step read it
+            c.save(pcie_after_copies=run_quietly(["nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.width.current",
+                                                  "--format=csv,noheader"]))
         del host, target
     device.synchronize()
 
