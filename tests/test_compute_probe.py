@@ -14,12 +14,12 @@ from transformers import AutoConfig
 from cli_runner import run
 from zerolite.io.device import CpuDevice
 from zerolite.planner import compute_probe, hardware, measurements
-from zerolite.planner.compute_probe import LAYER_CONTEXT, LAYER_ROWS, probe_layer
+from zerolite.planner.compute_probe import LAYER_CONTEXT, LAYER_ROWS, LAYER_STEPS, probe_layer
 from zerolite.planner.shrunk_config import PROBE_VOCAB, shrunk
 
 ATTENTION = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
-WINDOW = LAYER_CONTEXT // 2  # the probe's prefill alone runs past it
+WINDOW = 2  # the probe's steps run past it: its cache holds LAYER_CONTEXT + LAYER_STEPS + 1 positions by the last
 # One tiny config per kind of layer stack, each as transformers builds it.
 FAMILIES = {
     "gemma2": dict(sliding_window=WINDOW),                      # sliding and full attention, alternating
@@ -59,7 +59,7 @@ def test_a_sliding_window_is_decoded_past_its_end_without_rolling_a_cache_back()
     """A sliding layer's cache keeps only its window: one that a step ran past cannot be cropped
     back to the context before it, so the probe must never try (it once did, after every step)."""
     config = tiny("gemma2")
-    assert config.sliding_window < LAYER_CONTEXT and "sliding_attention" in shrunk(config, 2).layer_types
+    assert config.sliding_window < LAYER_CONTEXT + LAYER_STEPS and "sliding_attention" in shrunk(config, 2).layer_types
     probed = probe_layer(config, torch.float32, CpuDevice())
     assert len(probed["layer"]) >= 2
 
@@ -162,3 +162,22 @@ def test_each_measuring_step_says_what_it_measures_on_a_terminal(tmp_path, monke
     for what in (f"measuring disk: reading {tmp_path}", "measuring compute: matmul rates",
                  "measuring compute: one of this model's layers"):
         assert what in shown, shown
+
+
+def test_past_the_largest_batch_probed_a_layer_s_extra_cost_grows_on_a_line_not_in_proportion():
+    """A busy machine's probe may stop at 16 rows, where a layer reads its weights and its extra
+    over the matmul rates is a cost per op, the same at 1 row: a batch of 64 pays it once, not 4x."""
+    from zerolite.planner.cost import Candidate, Job, predict
+    from zerolite.planner.model_costs import ModelCosts
+
+    costs = ModelCosts.from_config(tiny("llama"), torch.float32)
+    flat = {1: 0.01, 16: 0.01}  # seconds a layer took at 1 and 16 rows, its matmuls next to nothing
+    machine = hardware.Hardware(False, 0, 1 << 40, 1000.0, 1000.0, None, None, {"stored": {1: 1e-15, 1024: 1e-15}},
+                                flat, {1: 0.0, 16: 0.0})
+    step = predict(costs, machine, Candidate("stored", 64, costs.layers), Job(8, 8)).compute_s
+    assert step == pytest.approx(costs.layers * 0.01, rel=0.05)
+    growing = {1: 0.01, 16: 0.025}  # a cost per row on top: 1 ms a row, on past 16
+    machine = hardware.Hardware(False, 0, 1 << 40, 1000.0, 1000.0, None, None, {"stored": {1: 1e-15, 1024: 1e-15}},
+                                growing, {1: 0.0, 16: 0.0})
+    step = predict(costs, machine, Candidate("stored", 64, costs.layers), Job(8, 8)).compute_s
+    assert step == pytest.approx(costs.layers * (0.025 + 48 * 0.001), rel=0.05)

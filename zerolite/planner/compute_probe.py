@@ -77,7 +77,8 @@ def seconds_per_weight(modules: list[nn.Module], rows: int, dtype: torch.dtype, 
 
 
 LAYER_ROWS = (1, 16, 64, 256)   # between them the cost model interpolates, beyond them it extends in proportion
-LAYER_CONTEXT = 8            # positions prefilled before the timed steps (attention's flops are priced apart)
+LAYER_CONTEXT = 2            # positions prefilled before the timed steps: attention's flops are priced apart, and a
+                             # longer prompt made the prefill at 256 rows the larger part of the probe
 LAYER_STEPS = 2              # decode steps timed at each row count, after one untimed
 PROBED_LAYERS = 2            # two layers: a family alternating two kinds of layer (sliding and full attention) is timed on both
 PROBE_SECONDS = 3.0          # no row count is begun that would take the probe past this (rows beyond it are extended in proportion)

@@ -95,16 +95,23 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
             seconds += picked * hardware.seconds("stored", costs.expert_weights, rows * costs.experts_per_token / picked)
         return seconds + hardware.flop_seconds(4 * rows * positions * costs.attention_width)
 
+    def beyond(rows: float) -> float:
+        """What the probe of the model's own layer took beyond its matmuls (norms, attention's small
+        ops, routing), at a batch probed or between two."""
+        return max(at(hardware.layer_seconds, rows) - matmuls("stored", rows, LAYER_CONTEXT), 0.0)
+
     def layer_compute(rows: int, tokens_in_context: float, prefill: bool) -> float:
         positions = tokens_in_context / 2 if prefill else tokens_in_context  # a causal prefill attends to half, on average
         own = matmuls(c.weights, rows, positions)
         if hardware.layer_seconds is None:
             return own
-        # What the probe of the model's own layer took beyond its matmuls (norms, attention's small
-        # ops, routing), at the probed batch nearest, in proportion to the rows beyond it.
-        probed_rows = min(rows, max(hardware.layer_seconds))
-        beyond = at(hardware.layer_seconds, probed_rows) - matmuls("stored", probed_rows, LAYER_CONTEXT)
-        return own + max(beyond, 0.0) * rows / probed_rows
+        before, last = sorted(hardware.layer_seconds)[-2:]
+        if rows <= last:
+            return own + beyond(rows)
+        # Past the largest batch probed, on the line through the last two: a cost per op stays, a
+        # cost per row grows. In proportion to the rows instead, a memory-bound layer's timing noise
+        # at 16 rows (where a busy machine's probe may stop) became seconds at a prefill's thousands.
+        return own + beyond(last) + max(beyond(last) - beyond(before), 0.0) * (rows - last) / (last - before)
 
     def step_overhead(rows: int) -> float:
         return at(hardware.step_seconds, rows) if hardware.step_seconds else 0.0
