@@ -122,6 +122,10 @@ def test_plan_and_profile_answer_with_no_flags(arch, make_source, capsys, monkey
     assert "could not time" not in plan.stderr, plan.stderr
     chosen = json.loads(plan.stdout)
     assert chosen["batch_size"] >= 1 and chosen["tokens_per_s"] > 0, chosen
+    # the compute figures are the model's own layer's, timed (now or by an earlier run), not the matmul rates'
+    assert chosen["hardware"]["sources"].get("layer", "").startswith("probed"), chosen["hardware"]["sources"]
+    told = zerolite_cli(capsys, monkeypatch, "plan", "--model", source)  # the same, in words
+    assert told.code == 0 and f"--batch-size {chosen['batch_size']}" in told.stdout, told
     profile = zerolite_cli(capsys, monkeypatch, "profile", "--model", source, "--json")
     assert profile.code == 0, profile.stderr
     assert json.loads(profile.stdout)["decode_step_s"] > 0
