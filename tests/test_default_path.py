@@ -22,11 +22,9 @@ from transformers import AutoModelForCausalLM
 import zerolite
 from cli_runner import Result, assert_one_line_error, run
 from helpers import greedy, new_tokens_alone
-from live_server import LiveServer
 from tiny_models import ARCHS, MOE_SHAPES
 from zerolite.hf import keep_experts_implementation
 from zerolite.io.device import cuda_available
-from zerolite.serve.server import ServeSettings
 
 NEW_TOKENS = 6
 END = 2  # the tiny models' end token
@@ -142,6 +140,9 @@ SERVED = {
 
 @pytest.mark.parametrize("arch", SERVED)
 def test_serve_defaults_answer_a_first_request_as_transformers(arch, make_source):
+    from live_server import LiveServer  # serve's extras (uvicorn, FastAPI): the other tests here run without them
+    from zerolite.serve.server import ServeSettings
+
     source = make_source(arch, **SERVED[arch])
     prompt = PROMPTS[0]
     expected = cut_at_end(new_tokens_alone(reference_model(source), prompt, NEW_TOKENS, device=DEVICE))
