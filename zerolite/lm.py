@@ -15,7 +15,6 @@ import time
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.convert.resolve import ensure_layout
@@ -318,7 +317,7 @@ def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> No
                             "leave out `draft`")
     if draft:
         layers = DynamicCache(config=config.get_text_config(decoder=True)).layers
-        if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers):
+        if any(hasattr(layer, "recurrent_states") for layer in layers):  # LinearAttentionCacheLayerMixin's
             raise ZeroliteError(f"{name} has layers that carry a recurrent state, which speculative decoding cannot "
                                 "rewind past the guesses it rejects: leave out `draft`")
 

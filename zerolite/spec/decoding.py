@@ -118,7 +118,7 @@ class Forwards:
         if self.model._supports_logits_to_keep():
             inputs["logits_to_keep"] = logits
         out = self.model(**inputs)
-        if not self.seen:
+        if not self.seen and hasattr(self.cache, "activate_past_recording"):  # transformers >= 5.x's caches
             # After the prefill, as transformers' assisted decoding does: a sliding window's layers
             # (and a state's) then keep what a rewind may need, until the round's crop trims them.
             self.cache.activate_past_recording()
