@@ -8,7 +8,7 @@ bf16 matmul without AVX-512 BF16) are measured, not assumed.
 The weights cycle through several matrices larger than a CPU's caches together, as a pass over a
 model's layers does, so a small batch pays for reading its weights from memory. The matrices are
 copies of one (random, then quantized once per format): their values do not change a matmul's
-time, their separate memory does, and generating and quantizing six of them was half the probe.
+time, their separate memory does, and generating and quantizing six of them took a second.
 """
 
 from __future__ import annotations
@@ -76,12 +76,12 @@ def seconds_per_weight(modules: list[nn.Module], rows: int, dtype: torch.dtype, 
             return elapsed / calls / (SHAPE[0] * SHAPE[1])
 
 
-LAYER_ROWS = (1, 16, 64, 256)   # between them the cost model interpolates, beyond them it extends in proportion
+LAYER_ROWS = (1, 16, 64, 256)   # the cost model interpolates between them, and past the last on a line through two
 LAYER_CONTEXT = 2            # positions prefilled before the timed steps: attention's flops are priced apart, and a
                              # longer prompt made the prefill at 256 rows the larger part of the probe
 LAYER_STEPS = 2              # decode steps timed at each row count, after one untimed
 PROBED_LAYERS = 2            # two layers: a family alternating two kinds of layer (sliding and full attention) is timed on both
-PROBE_SECONDS = 3.0          # no row count is begun that would take the probe past this (rows beyond it are extended in proportion)
+PROBE_SECONDS = 3.0          # no row count is begun that would take the probe past this (the first two always run)
 PROBE_LAYER_MAX_BYTES = 1 << 30  # larger layers are left to the matmul rates (their matmuls dwarf the rest)
 FILL_PATTERN = 1 << 20       # random values tiled over every weight: memcpy's speed, not a random generator's
 
