@@ -18,9 +18,14 @@ TOOL = ROOT / "tools" / "gpu_quick.py"
 
 
 @pytest.fixture
-def gpu_quick(monkeypatch):
+def tools(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    return importlib.import_module("gpu_quick")
+    return importlib.import_module
+
+
+@pytest.fixture
+def gpu_quick(tools):
+    return tools("gpu_quick")
 
 
 def test_a_dry_run_writes_every_section_of_the_report(tmp_path, gpu_quick):
@@ -82,7 +87,7 @@ def test_a_hung_step_is_killed_at_its_limit_its_figures_kept_and_the_next_step_r
     assert report["steps"]["copy"]["status"] == "ok" and report["copy"]["rates"]
 
 
-def test_a_cuda_traces_copy_stream_busy_share_gap_and_overlap(gpu_quick):
+def test_a_cuda_traces_copy_stream_busy_share_gap_and_overlap(tools):
     def event(cat, name, stream, ts, dur):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"device": 0, "stream": stream}}
 
@@ -95,17 +100,18 @@ def test_a_cuda_traces_copy_stream_busy_share_gap_and_overlap(gpu_quick):
         event("cuda_runtime", "cudaMemcpyAsync", 1, 0, 400),                 # the host's side
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "python"}},
     ]}
-    summary = gpu_quick.summarize(gpu_quick.intervals_from_trace(trace))
+    stream = tools("gpu_quick_stream")
+    summary = stream.summarize(stream.intervals_from_trace(trace))
     assert summary["copy_stream"] == "7" and summary["copies"] == 2 and summary["kernels"] == 1
     assert summary["window_ms"] == pytest.approx(0.3)
     assert summary["copy_busy_share"] == pytest.approx(250 / 300, abs=1e-4)
     assert summary["longest_copy_gap_ms"] == pytest.approx(0.05)
     assert summary["overlap_share"] == pytest.approx(100 / 250)
-    assert gpu_quick.summarize([])["copy_busy_share"] is None
+    assert stream.summarize([])["copy_busy_share"] is None
 
 
-def test_a_70b_layer_is_the_size_the_issue_names(gpu_quick):
-    assert gpu_quick.LAYER_70B_BYTES == 1_711_308_800
+def test_a_70b_layer_is_the_size_the_issue_names(tools):
+    assert tools("gpu_quick_steps").LAYER_70B_BYTES == 1_711_308_800
 
 
 def test_a_gpu_run_without_a_gpu_is_refused_in_one_line(tmp_path):
