@@ -110,6 +110,21 @@ def test_a_cuda_traces_copy_stream_busy_share_gap_and_overlap(tools):
     assert stream.summarize([])["copy_busy_share"] is None
 
 
+def test_the_tests_counts_from_pytests_summary_or_from_its_lines_when_stopped_before_it(tools):
+    summary = tools("gpu_quick_report").tests_summary
+    lines = ("[gw0] [ 10%] PASSED tests/test_executor.py::test_a[cuda-1]\n"
+             "[gw1] [ 20%] FAILED tests/test_executor.py::test_b[cuda-2]\n"
+             "CSAN detected a possible data race on tensor with data pointer 1234\nAccess by stream 7\n")
+    stopped = summary(lines, ["python", "-m", "pytest"], None)
+    assert stopped["partial"] and stopped["counts"] == {"passed": 1, "failed": 1}
+    assert stopped["failed"] == ["[gw1] [ 20%] FAILED tests/test_executor.py::test_b[cuda-2]"]
+    assert len(stopped["sanitizer_findings"]) == 1 and "stream 7" in stopped["sanitizer_findings"][0]
+    finished = summary(lines + "FAILED tests/test_executor.py::test_b[cuda-2] - boom\n"
+                               "==== 1 passed, 1 failed, 9 deselected in 3.2s ====\n", ["python", "-m", "pytest"], 1)
+    assert not finished["partial"] and finished["counts"] == {"passed": 1, "failed": 1, "deselected": 9}
+    assert finished["failed"] == ["FAILED tests/test_executor.py::test_b[cuda-2] - boom"]
+
+
 def test_a_70b_layer_is_the_size_the_issue_names(tools):
     assert tools("gpu_quick_steps").LAYER_70B_BYTES == 1_711_308_800
 

@@ -121,7 +121,7 @@ def cuda_test_files() -> list[str]:
 
 def pytest_command(dry: bool, sanitized: bool) -> list[str]:
     """The cuda-marked tests, their real-device parameters only (a dry run: one cheap case's sim parameter)."""
-    base = [sys.executable, "-m", "pytest", *cuda_test_files(), "-m", "cuda", "-q", "-p", "no:cacheprovider",
+    base = [sys.executable, "-m", "pytest", *cuda_test_files(), "-m", "cuda", "-v", "-p", "no:cacheprovider",
             "-o", "addopts=", "-rfE", "--continue-on-collection-errors"]
     if dry:
         k = "sim and kv_cache_partly" if sanitized else "sim and registered_in_chunks"

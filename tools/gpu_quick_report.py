@@ -12,16 +12,27 @@ SANITIZER_FINDING = "CSAN detected a possible data race"
 
 
 def tests_summary(output: str, command: list[str], returncode: int | None) -> dict:
-    counts = {}
-    for line in reversed(output.splitlines()):
+    """pytest's closing counts; where it was stopped before printing them, the counts of its verbose
+    per-test lines so far (partial); the failures' lines, and each sanitizer finding's first lines."""
+    counts, partial = {}, False
+    lines = output.splitlines()
+    for line in reversed(lines):
         found = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)\b", line)
         if found and re.search(r" in [\d.]+s", line):
             counts = {what: int(n) for n, what in found}
             break
-    lines = output.splitlines()
+    else:
+        for line in lines:
+            verdict = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", line)
+            if verdict and "::" in line and not line.startswith(("FAILED ", "ERROR ")):
+                key = verdict[1].lower()
+                counts[key] = counts.get(key, 0) + 1
+        partial = True
     findings = ["\n".join(lines[i:i + 6]) for i, line in enumerate(lines) if SANITIZER_FINDING in line]
     failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    return {"command": " ".join(command[1:]), "returncode": returncode, "counts": counts,
+    if partial:  # no short summary either: the failures from their per-test lines
+        failed = [line for line in lines if "::" in line and re.search(r"\b(FAILED|ERROR)\b", line)]
+    return {"command": " ".join(command[1:]), "returncode": returncode, "counts": counts, "partial": partial,
             "sanitizer_findings": findings, "failed": failed[:30]}
 
 
@@ -173,7 +184,8 @@ def markdown(report: dict) -> str:
     tests = report.get("tests", {})
     lines = []
     for name, t in tests.items():
-        lines.append(f"- {name}: `{t.get('command')}`: {t.get('counts') or 'no summary line'}; "
+        lines.append(f"- {name}: `{t.get('command')}`: {t.get('counts') or 'no test ran'}"
+                     + (" (stopped before pytest's summary: counted from its lines)" if t.get("partial") else "") + "; "
                      + (f"sanitizer findings: {len(t.get('sanitizer_findings', []))}" if t.get("sanitizer") else "no sanitizer"))
         lines += [f"  - {line}" for line in t.get("failed", [])]
         lines += ["```\n" + finding + "\n```" for finding in t.get("sanitizer_findings", [])[:5]]
