@@ -81,6 +81,15 @@ def test_a_shrunk_config_keeps_the_family_s_own_layer_pattern():
     assert composite.text_config.num_hidden_layers == 6  # the model's own config is left as it was
 
 
+def test_a_model_with_a_vision_tower_is_timed_on_its_text_layers():
+    """Cut to two text layers, the decoder stack may hold fewer weights than the vision tower's."""
+    config = AutoConfig.for_model("gemma3", text_config={**ATTENTION, "num_hidden_layers": 6},
+                                  vision_config=dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=2,
+                                                     intermediate_size=1024))
+    probed = probe_layer(config, torch.float32, CpuDevice())
+    assert len(probed["layer"]) >= 2 and all(seconds > 0 for seconds in probed["layer"].values())
+
+
 def test_the_probe_stops_at_the_rows_its_time_allows(monkeypatch):
     """A row count that would take the probe past PROBE_SECONDS is not begun: the first two always run."""
     monkeypatch.setattr(compute_probe, "PROBE_SECONDS", 0.0)

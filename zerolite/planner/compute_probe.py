@@ -97,7 +97,7 @@ def probe_layer(config, dtype: torch.dtype, device: Device) -> dict[str, dict[in
     from zerolite.layout.blocks import find_decoder_layers
 
     model = filled_model(shrunk(config, PROBED_LAYERS), dtype, device)
-    clock = LayerClock(find_decoder_layers(model)[1], device)
+    clock = LayerClock(find_decoder_layers(model.get_decoder())[1], device)  # not a vision tower's, longer than 2 layers
     generator = torch.Generator().manual_seed(0)
     layer, step, spent = {}, {}, {}
     for rows in LAYER_ROWS:
