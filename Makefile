@@ -47,6 +47,8 @@ gpu-wheels:
 	$(PIP) download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
+	# Best effort: the I/O engine built here for CPython 3.12, the script's last resort on an image that cannot build it.
+	-sh tools/gpu_quick.sh --prebuild .whl
 
 clean:
 	rm -rf $(VENV) build
