@@ -63,6 +63,7 @@ def test_a_dry_run_writes_every_section_of_the_report(tmp_path, gpu_quick):
 
     for batch in report["profile"]["batches"].values():
         assert batch["copies"] > 0 and batch["kernels"] > 0 and 0 < batch["copy_busy_share"] <= 1
+        assert batch["cache_tokens"] == 8 + 2  # the prompt, then two decode steps on its cache
     for name in ("tests-sanitized", "tests"):
         assert report["tests"][name]["counts"].get("passed", 0) >= 1, report["tests"][name]
 

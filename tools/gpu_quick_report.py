@@ -176,9 +176,9 @@ def markdown(report: dict) -> str:
     prof = report.get("profile", {})
     parts.append("## Profile of two decode steps (every layer streamed from pinned memory)\n\n" + table(
         ["batch", "window ms", "copy busy share", "longest copy gap ms", "copy/kernel overlap", "kernel busy share",
-         "copies", "kernels", "source"],
+         "copies", "kernels", "cache tokens after", "source"],
         [[b, r.get("window_ms"), r.get("copy_busy_share"), r.get("longest_copy_gap_ms"), r.get("overlap_share"),
-          r.get("kernel_busy_share"), r.get("copies"), r.get("kernels"), r.get("source")] for b, r in prof.get("batches", {}).items()])
+          r.get("kernel_busy_share"), r.get("copies"), r.get("kernels"), r.get("cache_tokens"), r.get("source")] for b, r in prof.get("batches", {}).items()])
         + (f"\n\n{prof['note']}" if prof.get("note") else ""))
 
     tests = report.get("tests", {})

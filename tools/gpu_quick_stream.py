@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import inspect
 import json
 import statistics
 import threading
@@ -205,6 +206,12 @@ def simulated_intervals(device, into: list):
         device._landing = original
 
 
+def cache_keyword(model) -> str:
+    """What the model's forward calls its K/V cache: "cache" in later transformers 5 releases,
+    "past_key_values" before (which the later ones would take into **kwargs and leave unused)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def step_profile(c: Child) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -230,14 +237,15 @@ def step_profile(c: Child) -> None:
                 lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
                             do_sample=False, pad_token_id=0)  # warm: the schedule is recorded on the first forward
                 cache = lm.new_cache()
-                logits = lm.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+                given = {cache_keyword(lm.model): cache, "use_cache": True}
+                logits = lm.model(input_ids=ids, **given).logits
                 token = logits[:, -1:].argmax(-1)
                 device.synchronize()
                 simulated: list = []
                 with profile(activities=activities) as prof, \
                         (simulated_intervals(device, simulated) if c.dry else contextlib.nullcontext()):
                     for _ in range(2):
-                        logits = lm.model(input_ids=token, past_key_values=cache, use_cache=True).logits
+                        logits = lm.model(input_ids=token, **given).logits
                         token = logits[:, -1:].argmax(-1)
                     device.synchronize()
             trace_path = c.scratch / f"trace-{batch}.json"
@@ -247,6 +255,8 @@ def step_profile(c: Child) -> None:
                 result = {**summarize(simulated, unit_s=1.0), "source": "simulated device (copy landings, compute's operations)"}
             else:
                 result = {**summarize(intervals_from_trace(trace)), "source": "torch.profiler (CUDA)"}
+            # The decode steps ran on the cache: the prompt and the two tokens (one would mean each step began anew).
+            result["cache_tokens"] = int(cache.get_seq_length())
             result["trace_events"] = len(trace.get("traceEvents", [])) if isinstance(trace, dict) else len(trace)
             batches[str(batch)] = result
             if batch == s.batches[0]:
