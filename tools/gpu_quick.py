@@ -207,7 +207,8 @@ class Parent:
             + (f"; not ok: {', '.join(failed)}" if failed else ""))
         # The headline and the steps' verdicts (what a look at the end of the output should show); the rest is in the files.
         text = (self.out / "gpu_quick.md").read_text()
-        print(text[text.index("## Headline"):text.index("## Machine")].rstrip())
+        start, end = max(text.find("## Headline"), 0), text.find("## Machine")
+        print(text[start:end if end > start else None].rstrip())
         return 1 if failed else 0
 
     def run_step(self, step: Step, timeout: int) -> None:
@@ -292,9 +293,19 @@ class Parent:
             self.report[name] = data
 
     def write(self) -> None:
-        derive(self.report)
+        """The JSON, then the markdown; a figure of a shape the report did not expect costs the
+        markdown (it says why), never the run or the JSON."""
+        try:
+            derive(self.report)
+        except Exception as e:
+            self.report["derive_error"] = f"{type(e).__name__}: {e}"
         write_atomically(self.out / "gpu_quick.json", json.dumps(self.report, indent=1, default=str))
-        write_atomically(self.out / "gpu_quick.md", markdown(self.report))
+        try:
+            text = markdown(self.report)
+        except Exception as e:
+            text = (f"# zerolite gpu_quick\n\n## Headline\n\nthe markdown failed ({type(e).__name__}: {e}): see gpu_quick.json\n\n"
+                    f"## Machine\n")
+        write_atomically(self.out / "gpu_quick.md", text)
 
 
 LOG_LIMIT = 15 * MiB  # what the GPU machine gives back is at most 16 MiB a file
