@@ -6,6 +6,7 @@ and where it still cannot time a layer the plan goes on from the matmul rates, s
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -33,9 +34,9 @@ FAMILIES = {
     "bamba": dict(attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
                   mamba_chunk_size=16),
     "recurrent_gemma": dict(lru_width=32, attention_window_size=WINDOW, block_types=["recurrent", "attention"]),
+    # three linear-attention layers, then one of full attention: its first two layers alone do not run
     "qwen3_next": dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-                       full_attention_interval=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=32),
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
     "minimax": dict(num_local_experts=4, num_experts_per_tok=2, block_size=8),   # a cache class of its own
     "rwkv": dict(attention_hidden_size=32, context_length=256),                  # a `state`, not a cache
     "llama": dict(),
@@ -59,26 +60,50 @@ def test_a_sliding_window_is_decoded_past_its_end_without_rolling_a_cache_back()
     """A sliding layer's cache keeps only its window: one that a step ran past cannot be cropped
     back to the context before it, so the probe must never try (it once did, after every step)."""
     config = tiny("gemma2")
-    assert config.sliding_window < LAYER_CONTEXT + LAYER_STEPS and "sliding_attention" in shrunk(config, 2).layer_types
+    assert config.sliding_window < LAYER_CONTEXT + LAYER_STEPS and "sliding_attention" in shrunk(config, 2)[0].layer_types
     probed = probe_layer(config, torch.float32, CpuDevice())
     assert len(probed["layer"]) >= 2
 
 
-def test_a_shrunk_config_keeps_the_family_s_own_layer_pattern():
-    jamba = shrunk(tiny("jamba"), 2)  # derived from attn_layer_period and _offset: a read-only property
-    assert (jamba.num_hidden_layers, jamba.layers_block_type) == (2, ["mamba", "attention"])
-    bamba = shrunk(tiny("bamba"), 2)  # layers named by index: those still there
-    assert bamba.attn_layer_indices == [1] and bamba.layers_block_type == ["linear_attention", "full_attention"]
-    gemma = shrunk(tiny("gemma2", num_hidden_layers=6), 3)  # a list given per layer: its first entries
-    assert gemma.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
-    mamba = shrunk(tiny("mamba"), 1)
+def test_a_shrunk_config_keeps_a_layer_of_each_kind_and_what_share_each_stands_for():
+    qwen = shrunk(tiny("qwen3_next", num_hidden_layers=8), 2)  # 3 linear : 1 full, twice over
+    assert (qwen[0].layer_types, qwen[1]) == (["linear_attention", "full_attention"], [0.75, 0.25])
+    gemma = shrunk(tiny("gemma3_text", num_hidden_layers=12, sliding_window_pattern=6), 2)  # 5 sliding : 1 full
+    assert gemma[0].layer_types == ["sliding_attention", "full_attention"] and gemma[1] == pytest.approx([5 / 6, 1 / 6])
+    gemma = shrunk(tiny("gemma2", num_hidden_layers=6), 3)  # fewer kinds than layers: the earliest others too
+    assert gemma == (gemma[0], [0.25, 0.5, 0.25]) and gemma[0].layer_types == ["sliding_attention", "full_attention"] * 1 + [
+        "sliding_attention"]
+    bamba = shrunk(tiny("bamba", num_hidden_layers=8, attn_layer_indices=[5]), 2)  # layers named by index: renumbered
+    assert bamba[0].attn_layer_indices == [1] and bamba[0].layers_block_type == ["linear_attention", "full_attention"]
+    assert bamba[1] == [7 / 8, 1 / 8]
+    jamba = shrunk(tiny("jamba"), 2)  # derived from attn_layer_period and _offset (read-only): the first layers
+    assert (jamba[0].num_hidden_layers, jamba[0].layers_block_type, jamba[1]) == (2, ["mamba", "attention"], [0.5, 0.5])
+    mamba = shrunk(tiny("mamba"), 1)[0]
     assert mamba.layer_types == ["linear_attention"] and mamba.vocab_size == PROBE_VOCAB
+    phi = shrunk(tiny("llama", vocab_size=32064, pad_token_id=32000, eos_token_id=[2, 32007]), 2)[0]
+    assert (phi.pad_token_id, phi.eos_token_id) == (None, None)  # ids past the tiny vocabulary: an embedding refuses them
     composite = AutoConfig.for_model("gemma3", text_config={**ATTENTION, "num_hidden_layers": 6},
                                      vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                         intermediate_size=64))
-    small = shrunk(composite, 2)
+    small = shrunk(composite, 2)[0]
     assert type(small) is type(composite) and small.text_config.num_hidden_layers == 2
     assert composite.text_config.num_hidden_layers == 6  # the model's own config is left as it was
+
+
+def test_a_layer_s_time_weighs_each_kept_layer_by_its_share(monkeypatch):
+    """Qwen3-Next's kept linear-attention layer stands for three of every four layers: slowed by a
+    fifth of a second, it makes the layer's time 0.15 s longer (their plain mean would say 0.1)."""
+    monkeypatch.setattr(compute_probe, "PROBE_SECONDS", 0.0)  # two row counts
+    original = compute_probe.LayerClock.leave
+
+    def slowed(clock, index):
+        if index == 0:  # the linear-attention layer
+            time.sleep(0.2)
+        original(clock, index)
+
+    monkeypatch.setattr(compute_probe.LayerClock, "leave", slowed)
+    layer = probe_layer(tiny("qwen3_next", num_hidden_layers=4), torch.float32, CpuDevice())["layer"][1]
+    assert 0.15 <= layer < 0.18
 
 
 def test_a_model_with_a_vision_tower_is_timed_on_its_text_layers():

@@ -80,7 +80,7 @@ LAYER_ROWS = (1, 16, 64, 256)   # the cost model interpolates between them, and 
 LAYER_CONTEXT = 2            # positions prefilled before the timed steps: attention's flops are priced apart, and a
                              # longer prompt made the prefill at 256 rows the larger part of the probe
 LAYER_STEPS = 2              # decode steps timed at each row count, after one untimed
-PROBED_LAYERS = 2            # two layers: a family alternating two kinds of layer (sliding and full attention) is timed on both
+PROBED_LAYERS = 2            # a layer of each of the two commonest kinds (sliding and full attention, state space and attention)
 PROBE_SECONDS = 3.0          # no row count is begun that would take the probe past this (the first two always run)
 PROBE_LAYER_MAX_BYTES = 1 << 30  # larger layers are left to the matmul rates (their matmuls dwarf the rest)
 FILL_PATTERN = 1 << 20       # random values tiled over every weight: memcpy's speed, not a random generator's
@@ -91,13 +91,16 @@ def probe_layer(config, dtype: torch.dtype, device: Device) -> dict[str, dict[in
     takes for a decode step (one new position per sequence, about LAYER_CONTEXT cached), and what the
     step costs besides its layers and head (embeddings, final norm, the forward's own overhead).
     It holds what the matmul rates leave out: norms, attention, routing, the per-op cost of small
-    tensors. Timed on the model built with PROBED_LAYERS layers (a layer's time is their mean), its
-    weights a tiled pattern, the layers' time taken by hooks at their edges. Row counts are probed
+    tensors. Timed on the model built with PROBED_LAYERS of its layers (zerolite.planner.shrunk_config:
+    a layer's time is theirs, weighed by the share of the model's layers each stands for), its
+    weights a tiled pattern, each layer's time taken by hooks at its edges. Row counts are probed
     in turn while PROBE_SECONDS allows."""
     from zerolite.layout.blocks import find_decoder_layers
 
-    model = filled_model(shrunk(config, PROBED_LAYERS), dtype, device)
-    clock = LayerClock(find_decoder_layers(model.get_decoder())[1], device)  # not a vision tower's, longer than 2 layers
+    small, shares = shrunk(config, PROBED_LAYERS)
+    model = filled_model(small, dtype, device)
+    layers = find_decoder_layers(model.get_decoder())[1]  # the text model's: a vision tower's may weigh more than 2 layers
+    clock = LayerClock(layers, shares, device)
     generator = torch.Generator().manual_seed(0)
     layer, step, spent = {}, {}, {}
     for rows in LAYER_ROWS:
@@ -149,22 +152,27 @@ def tiled(pattern: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch
 
 
 class LayerClock:
-    """Seconds spent inside the decoder layers, summed from hooks at each layer's edges that wait for
+    """Seconds spent inside each decoder layer in a forward, from hooks at its edges that wait for
     the device, so that a GPU's queued work is counted where it runs."""
 
-    def __init__(self, layers: nn.ModuleList, device: Device):
-        self.layers, self.device, self.seconds, self.entered = len(layers), device, 0.0, 0.0
-        for module in layers:
+    def __init__(self, layers: nn.ModuleList, shares: list[float], device: Device):
+        self.shares, self.device, self.entered = shares, device, 0.0
+        self.seconds = [0.0] * len(layers)
+        for index, module in enumerate(layers):
             module.register_forward_pre_hook(self.enter)
-            module.register_forward_hook(self.leave)
+            module.register_forward_hook(lambda module, args, output, index=index: self.leave(index))
 
     def enter(self, module, args) -> None:
         self.device.synchronize()
         self.entered = time.perf_counter()
 
-    def leave(self, module, args, output) -> None:
+    def leave(self, index: int) -> None:
         self.device.synchronize()
-        self.seconds += time.perf_counter() - self.entered
+        self.seconds[index] += time.perf_counter() - self.entered
+
+    def layer(self) -> float:
+        """A layer's seconds in the last forward: the layers', weighed by the shares they stand for."""
+        return sum(seconds * share for seconds, share in zip(self.seconds, self.shares)) / sum(self.shares)
 
 
 @torch.inference_mode()
@@ -178,14 +186,14 @@ def time_decode(model: nn.Module, clock: LayerClock, rows: int, generator: torch
     layer = step = float("inf")
     for repeat in range(LAYER_STEPS + 1):
         token = torch.randint(0, PROBE_VOCAB, (rows, 1), generator=generator).to(target)
-        clock.seconds = 0.0
+        clock.seconds = [0.0] * len(clock.seconds)
         started = time.perf_counter()
         cache = carried(model(token, use_cache=True, **cache))
         device.synchronize()
         whole = time.perf_counter() - started
         if repeat:  # the first step after a prefill picks its kernels
-            layer = min(layer, clock.seconds / clock.layers)
-            step = min(step, max(whole - clock.seconds, 0.0))
+            layer = min(layer, clock.layer())
+            step = min(step, max(whole - sum(clock.seconds), 0.0))
     if layer <= 0:
         raise RuntimeError(f"{type(model).__name__}'s forward did not run its decoder layers as modules")
     return layer, step
