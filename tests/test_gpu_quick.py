@@ -126,6 +126,24 @@ def test_the_tests_counts_from_pytests_summary_or_from_its_lines_when_stopped_be
     assert finished["failed"] == ["FAILED tests/test_executor.py::test_b[cuda-2] - boom"]
 
 
+def test_a_copy_rate_from_each_numa_node_where_there_are_several(tools, tmp_path):
+    from simulated_device import SimulatedDevice
+
+    steps = tools("gpu_quick_steps")
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    for node in ("node0", "node1"):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus + "\n")
+    device = SimulatedDevice(seed=0)
+    device.adopt_thread()
+    allowed = os.sched_getaffinity(0)
+    rates = steps.numa_copy_rates(device, device.new_stream(), tmp_path, nbytes=1 << 20)
+    assert set(rates) == {"node0", "node1"} and all(rate > 0 for rate in rates.values())
+    assert os.sched_getaffinity(0) == allowed  # given back
+    (tmp_path / "node1" / "cpulist").write_text("\n")  # a node with no CPU this process may use: one node left
+    assert steps.numa_copy_rates(device, device.new_stream(), tmp_path, nbytes=1 << 20) == {}
+
+
 def test_a_70b_layer_is_the_size_the_issue_names(tools):
     assert tools("gpu_quick_steps").LAYER_70B_BYTES == 1_711_308_800
 

@@ -139,7 +139,9 @@ def markdown(report: dict) -> str:
     copy = report.get("copy", {})
     parts.append("## Pinned host-to-device copies\n\n"
                  + (f"PCIe link right after the copies (generation, width): {copy['pcie_after_copies']}\n\n"
-                    if copy.get("pcie_after_copies") else "") + table(
+                    if copy.get("pcie_after_copies") else "")
+                 + (f"256 MiB from host memory on each NUMA node (GB/s; the GPU's node: {m.get('gpu_numa_node')}): "
+                    f"{copy['numa_rates']}\n\n" if copy.get("numa_rates") else "") + table(
         ["size", "MB", "GB/s", "repeats", "beside matmuls: GB/s", "matmuls covered the copies"],
         [[r["label"], round(r["bytes"] / 1e6, 1), r.get("gbps"), r.get("repeats"), r.get("beside_gbps"), r.get("matmul_covered")]
          for r in copy.get("rates", []) if "alone" in r["label"]]))

@@ -249,6 +249,52 @@ def step_copy(c: Child) -> None:
                                                   "--format=csv,noheader"]))
         del host, target
     device.synchronize()
+    try:
+        numa = numa_copy_rates(device, stream)
+        if numa:
+            c.save(numa_rates=numa)
+    except Exception as e:  # an extra: its failure costs only itself
+        c.save(numa_error=f"{type(e).__name__}: {e}")
+
+
+def cpu_list(text: str) -> set[int]:
+    """A sysfs cpulist ("0-15,32-47") as a set."""
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def numa_copy_rates(device, stream, nodes_dir: Path = Path("/sys/devices/system/node"), nbytes: int = 256 * MiB) -> dict:
+    """Where the machine has several NUMA nodes: the pinned rate from host memory on each (pages are
+    placed where the thread that pins them, and so first touches them, runs)."""
+    nodes = {}
+    for node in sorted(nodes_dir.glob("node[0-9]*")):
+        with contextlib.suppress(OSError, ValueError):
+            nodes[node.name] = cpu_list((node / "cpulist").read_text()) & os.sched_getaffinity(0)
+    nodes = {name: cpus for name, cpus in nodes.items() if cpus}
+    if len(nodes) < 2:
+        return {}
+    repeats, rates = 8, {}
+    target = device.empty(nbytes)
+    device.wait_stream(stream, device.compute_stream())
+    allowed = os.sched_getaffinity(0)
+    try:
+        for name, cpus in nodes.items():
+            os.sched_setaffinity(0, cpus)
+            host = device.pinned_empty(nbytes)
+            device.copy(target, host, stream)
+            device.synchronize(stream)
+            seconds: list[float] = []
+            with Clock(device, stream).time(seconds):
+                for _ in range(repeats):
+                    device.copy(target, host, stream)
+            rates[name] = round(nbytes * repeats / seconds[0] / 1e9, 3)
+            del host
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return rates
 
 
 def beside_matmuls(c: Child, device, stream, copies, span_s: float, weight, activations) -> tuple[bool, float]:
