@@ -94,7 +94,7 @@ def headline_figures(report: dict) -> dict:
     for row in report.get("matmul", {}).get("rows", []):
         for variant in ("int4_fused", "int4_today"):
             speedup = ratio(row.get("bf16_ms"), row.get(f"{variant}_ms"))
-            if speedup:
+            if speedup is not None:
                 figures[f"{variant}_vs_bf16_rows_{row['rows']}"] = speedup
     return figures
 
@@ -196,7 +196,8 @@ def markdown(report: dict) -> str:
 
 
 def ratio(a, b):
-    return round(a / b, 2) if a and b else None
+    """a / b to 3 significant figures (a tiny ratio is a figure too, not 0); None without both."""
+    return float(f"{a / b:.3g}") if a and b else None
 
 
 def gb(nbytes):
