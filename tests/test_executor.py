@@ -197,8 +197,9 @@ def test_generate_takes_transformers_generation_arguments(tiny):
 
 
 # jamba's and recurrent_gemma's tokens are transformers' in every setup, but their logits in
-# generate are up to 1.2e-5 from transformers' even with every layer resident (their plain forward
-# is equal): bamba and qwen3_next stand for the hybrids here.
+# generate are up to 1.2e-5 from transformers', with every layer resident too: the head's product
+# for the one row generate keeps (logits_to_keep=1) rounds otherwise, while a forward's logits for
+# every row are equal. bamba and qwen3_next stand for the hybrids here.
 @pytest.mark.parametrize("arch", ["gemma2", "bamba", "qwen3_next"])
 @pytest.mark.parametrize("setup", ["tiers", "kv-1.0"])
 def test_windowed_and_hybrid_caches_with_tiers_and_kv_offload_equal_transformers(arch, setup, make_source, make_layout):
