@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import functools
 import mmap
+import os
 import platform
 import time
 from collections.abc import Sequence
@@ -101,6 +102,11 @@ class Device:
         """The most device memory tensors held at once (None where host memory is the device's)."""
         return None
 
+    def growing_cost(self, nbytes: int) -> int:
+        """Device memory that tensors made a token longer at each step, up to nbytes (the K/V cache
+        a DynamicCache keeps by torch.cat, an offloaded layer's fetch), really take from the allocator."""
+        return nbytes
+
     def processor(self) -> str:
         """What computes: the CPU's or GPU's model, as figures measured on it are kept under."""
         return self.name
@@ -168,6 +174,7 @@ class CudaDevice(Device):
     separate_memory = True
 
     def __init__(self, torch_device: torch.device):
+        self.segments_grow = grow_segments()  # first: current_device() below may start CUDA
         index = torch_device.index if torch_device.index is not None else torch.cuda.current_device()
         self.torch_device = torch.device("cuda", index)
         self.name = str(self.torch_device)
@@ -219,6 +226,28 @@ class CudaDevice(Device):
 
     def peak_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.torch_device)
+
+    def growing_cost(self, nbytes: int) -> int:
+        """Twice the bytes where the allocator's segments cannot grow: each step's longer tensor
+        needs a block the freed shorter ones are too small to give, so they stay cached beside it."""
+        return nbytes if self.segments_grow else 2 * nbytes
+
+
+ALLOCATOR_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either, once, as CUDA starts
+GROWING_SEGMENTS = "expandable_segments:True"
+
+
+def grow_segments() -> bool:
+    """Asks CUDA's caching allocator for segments that grow in place (expandable_segments), unless
+    the user configured the allocator or CUDA has started (torch reads the setting once, then):
+    the K/V cache, an offloaded layer's fetch and its torch.cat all grow by a token each step, and
+    fixed segments leave each step's shorter blocks cached beside the longer one, until a full GPU
+    frees every cached block (cudaFree, which waits for the whole device) or runs out. Returns
+    whether the allocator grows its segments, for the budgets (growing_cost)."""
+    if not any(name in os.environ for name in ALLOCATOR_SETTINGS) and not torch.cuda.is_initialized():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = GROWING_SEGMENTS
+    settings = ",".join(os.environ.get(name, "") for name in ALLOCATOR_SETTINGS).replace(" ", "")
+    return GROWING_SEGMENTS.lower() in settings.lower().split(",")
 
 
 REGISTRATION_CHUNK = 64 << 30

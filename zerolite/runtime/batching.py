@@ -34,7 +34,8 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     host_free = psutil.virtual_memory().available * (1 - MARGIN)
     if lm.device.separate_memory:
         device_free = lm.device.memory()[0] * (1 - MARGIN)
-        per_sequence_device = kv * (1 - kv_offload) + activations
+        # K/V that grows a token each step takes more than its bytes where the allocator's segments cannot grow
+        per_sequence_device = lm.device.growing_cost(int(kv * (1 - kv_offload))) + activations
         # host K/V buffers grow by doubling and are pinned: up to twice the bytes, as pinning rounds them
         host_kv = int(2 * kv * kv_offload)
         per_sequence_host = lm.device.pinned_cost(host_kv) if host_kv else 0
