@@ -32,6 +32,7 @@ from zerolite.io.engine import IoEngine, aligned_empty
 from zerolite.layout.blocks import module_path
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import DTYPES
+from zerolite.layout.placement import device_placement
 from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.moe.cache import ExpertCache
 from zerolite.moe.counts import ExpertCounts
@@ -70,7 +71,10 @@ class Executor:
         install_quantized_linears(self.model, manifest, device)
         self.engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_chunk_bytes)
         self.disk = DiskStore(layout, self.engine)
-        self._bindings = {block.name: BlockBinding(self.model, block, manifest.aliases) for block in manifest.blocks}
+        # Where the device has memory of its own, a block's tensors are bound where its copy put them
+        # (zerolite.layout.placement: 256-byte offsets, which a layout in place's are not as read).
+        bound = {block.name: device_placement(block).entry if device.separate_memory else block for block in manifest.blocks}
+        self._bindings = {name: BlockBinding(self.model, entry, manifest.aliases) for name, entry in bound.items()}
 
         self.per_expert, self.experts_note = streamed_per_expert(self.model, layout, plan.streamed, plan.on_disk,
                                                                  policy.experts == "whole", device.separate_memory)
@@ -95,7 +99,8 @@ class Executor:
         self.expert_cache = (ExpertCache(plan.expert_cache, aligned_empty)
                              if self.per_expert and plan.expert_cache else None)
         self.slots = Slots(manifest, self.disk if plan.on_disk else None, memory, policy.prefetch_depth, device,
-                           slot_bytes, timeline, self.per_expert, self.expert_cache)
+                           slot_bytes, timeline, self.per_expert, self.expert_cache,
+                           device_bytes=max((bound[name].length for name in plan.streamed), default=0))
         self.schedule = Schedule(list(plan.streamed))
         # (fetches, appends) and the pinned host buffers for every K/V cache it offloads
         self.kv_streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None

@@ -8,6 +8,7 @@ Where the device has memory of its own, each block passes through two pinned sta
 STAGING_BYTES, read in pieces by the engine and copied on a stream of their own: the host never
 holds more than the staging (an 80 GB GPU loads on a 64 GB host), and the copies run at pinned
 speed while the next piece is read. The host waits for the last copies before compute's first use.
+Each tensor lands at its place on the device (zerolite.layout.placement), as in a slot.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from zerolite.io.device import Device
+from zerolite.layout.placement import device_placement
 from zerolite.layout.store import DiskStore, MemoryStore
 
 STAGING_BYTES = 64 << 20
@@ -37,7 +39,8 @@ def load_resident(disk: DiskStore, names, device: Device, progress=None) -> Iter
     try:
         for name in names:
             length = disk.entry(name).length
-            target = device.empty(length)
+            placed = device_placement(disk.entry(name))
+            target = device.empty(placed.entry.length)
             device.wait_stream(copies, device.compute_stream())  # target comes from the compute stream's memory
             crc = 0
             for start in range(0, length, STAGING_BYTES):
@@ -47,7 +50,9 @@ def load_resident(disk: DiskStore, names, device: Device, progress=None) -> Iter
                     copied[turn].synchronize()  # the engine may not overwrite bytes a copy still reads
                 disk.wait(disk.submit(name, buffer, start, piece))
                 crc = zlib.crc32(buffer[:piece].numpy(), crc)
-                device.copy(target[start:start + piece], buffer[:piece], copies)
+                for move in placed.within(start, piece):
+                    device.copy(target[move.to:move.to + move.length],
+                                buffer[move.start - start:move.start - start + move.length], copies)
                 copied[turn] = device.record(copies)
                 turn = 1 - turn
             disk.verify_crc(name, crc)

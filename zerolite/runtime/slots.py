@@ -32,6 +32,7 @@ import torch
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
 from zerolite.layout.manifest import Manifest
+from zerolite.layout.placement import Move, device_placement
 from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.moe.cache import ExpertCache
 from zerolite.runtime.timeline import NO_TIMELINE
@@ -65,10 +66,11 @@ class Slot:
 class Slots:
     def __init__(self, manifest: Manifest, disk: DiskStore | None, memory: MemoryStore, depth: int, device: Device,
                  slot_bytes: int, timeline=NO_TIMELINE, per_expert: frozenset[str] = frozenset(),
-                 cache: ExpertCache | None = None):
+                 cache: ExpertCache | None = None, device_bytes: int | None = None):
         """disk is None when no streamed block lives there: the slots then need no host buffers.
         per_expert names the blocks whose experts come apart from their dense part; cache keeps
-        experts read from disk across steps."""
+        experts read from disk across steps. device_bytes: each device buffer's size, where a
+        block laid out afresh there (zerolite.layout.placement) takes more than slot_bytes."""
         self.manifest = manifest
         self.disk = disk
         self.memory = memory
@@ -83,7 +85,7 @@ class Slots:
         self._slots = [
             Slot(
                 host=device.pinned_empty(slot_bytes) if reads else None,
-                device=device.empty(slot_bytes) if self.separate else None,
+                device=device.empty(max(slot_bytes, device_bytes or 0)) if self.separate else None,
             )
             for _ in range(depth)
         ]
@@ -192,17 +194,17 @@ class Slots:
            it on the device
         """
         slot = self._by_block[name]
-        length = self.manifest.block(name).length
+        entry = self.manifest.block(name)
         with self._stalled(name, reading=slot.ticket is not None):
             if slot.ticket is not None:
                 self._await(slot)
             slot.in_use = True
             if not self.separate:
-                return slot.source[:length]
+                return slot.source[:entry.length]
             if slot.copied is None:
                 self._copy(slot)
             self.device.wait_event(self.device.compute_stream(), slot.copied)
-        return slot.device[:length]
+        return slot.device[:device_placement(entry).entry.length]
 
     @contextlib.contextmanager
     def _stalled(self, what: str, reading: bool):
@@ -340,12 +342,21 @@ class Slots:
         self._forget(slot)
 
     def _copy(self, slot: Slot) -> None:
-        slot.copied = self._copy_range(slot, 0, self._needed(slot.block))
+        """Queues the copy of what want() brings to the device, each tensor to its place there
+        (zerolite.layout.placement: a layout in place's tensors move to 256-byte offsets)."""
+        placed = device_placement(self.manifest.block(slot.block))
+        slot.copied = self._copy_moves(slot, placed.within(0, self._needed(slot.block)))
 
     def _copy_range(self, slot: Slot, start: int, nbytes: int):
-        """Queues the copy of the block's bytes [start, start + nbytes) to the device; returns its event."""
+        """Queues the copy of the block's bytes [start, start + nbytes) to the same place on the device."""
+        return self._copy_moves(slot, [Move(start, start, nbytes)])
+
+    def _copy_moves(self, slot: Slot, moves: list[Move]):
+        """Queues the copies of the block's bytes to the device, one per move; returns the event of the last."""
         if slot.computed is not None:
             self.device.wait_event(self.copy_stream, slot.computed)  # compute may still read the old block
-        with self.timeline.span("copy", slot.block, stream=self.copy_stream, bytes=nbytes):
-            self.device.copy(slot.device[start:start + nbytes], slot.source[start:start + nbytes], self.copy_stream)
+        with self.timeline.span("copy", slot.block, stream=self.copy_stream, bytes=sum(move.length for move in moves)):
+            for move in moves:
+                self.device.copy(slot.device[move.to:move.to + move.length],
+                                 slot.source[move.start:move.start + move.length], self.copy_stream)
         return self.device.record(self.copy_stream)

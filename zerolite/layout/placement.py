@@ -1,0 +1,79 @@
+"""Where a block's tensors lie in a device slot, and the copies that bring them there.
+
+    placed = device_placement(entry)      # entry: the block as the manifest lays out its bytes as read
+    placed.entry                          # the block as it lies on the device: bind views of it
+    for move in placed.within(0, entry.length):
+        copy(device[move.to:move.to + move.length], host[move.start:move.start + move.length])
+
+A converted layout places every tensor at TENSOR_ALIGNMENT (256 B) inside its block: on the device
+the block is its bytes as read, one copy. A layout in place reads the checkpoint's shards, where
+safetensors packs tensors one after another from a header of any length: their offsets are
+multiples of their element size at best, and GPU kernels that load 16 bytes at once (an H100's
+grouped_mm among them) refuse or fall off their fast path on such a tensor. O_DIRECT reads whole
+pages, so a read cannot shift a tensor by less than 4 KiB; the host-to-device copy can, at no cost
+(it moves every byte anyway). So on a device with memory of its own, such a block's tensors are laid
+out afresh at 256-byte offsets, one copy per run of tensors that keep their distance (a tensor
+already aligned in the file where the tensors before it leave room stays where it was read), and
+bound there. Where host memory is the device's the bytes are used as read: no copy, element-size
+alignment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from zerolite.io.engine import align_up
+from zerolite.layout.manifest import TENSOR_ALIGNMENT, BlockEntry, round_up
+
+
+@dataclass(frozen=True)
+class Move:
+    start: int    # in the block's bytes as read
+    to: int       # in the device slot
+    length: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    entry: BlockEntry          # the block on the device: its tensors' offsets there, its length there
+    moves: tuple[Move, ...]    # in order of start; what they do not cover holds no tensor
+
+    def within(self, start: int, length: int) -> list[Move]:
+        """The moves' share of the bytes as read [start, start + length): a piece staged on its own."""
+        clipped = []
+        for move in self.moves:
+            low, high = max(start, move.start), min(start + length, move.start + move.length)
+            if low < high:
+                clipped.append(Move(low, move.to + low - move.start, high - low))
+        return clipped
+
+    @property
+    def identity(self) -> bool:
+        """The block lies on the device as read: one copy of all of it."""
+        return self.moves == (Move(0, 0, self.entry.length),)
+
+
+@functools.cache
+def device_placement(entry: BlockEntry) -> Placement:
+    """The block's tensors at TENSOR_ALIGNMENT on the device. Where they all are already (every
+    converted layout), the bytes as read; else each tensor, in the order they were read, at the
+    first aligned offset past the one before, a run of tensors that keeps its relative places
+    moved by one copy."""
+    if all(t.offset % TENSOR_ALIGNMENT == 0 for t in entry.tensors):
+        return Placement(entry, (Move(0, 0, entry.length),))
+    moves: list[Move] = []
+    placed: dict[str, int] = {}
+    end = 0
+    for tensor in sorted(entry.tensors, key=lambda t: t.offset):
+        to = tensor.offset if tensor.offset % TENSOR_ALIGNMENT == 0 and tensor.offset >= end else round_up(end, TENSOR_ALIGNMENT)
+        last = moves[-1] if moves else None
+        if last is not None and to - tensor.offset == last.to - last.start and tensor.offset >= last.start + last.length:
+            moves[-1] = Move(last.start, last.to, tensor.offset + tensor.span - last.start)
+        else:
+            moves.append(Move(tensor.offset, to, tensor.span))
+        placed[tensor.name] = to
+        end = to + tensor.span
+    tensors = tuple(dataclasses.replace(t, offset=placed[t.name]) for t in entry.tensors)
+    return Placement(dataclasses.replace(entry, tensors=tensors, length=align_up(end)), tuple(moves))
