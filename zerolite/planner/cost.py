@@ -9,7 +9,9 @@ Per decode step:
   compute  = each layer's weights multiplied by the batch's rows (the probe's rate for that format
              and row count), attention over the context, and the head
   step     = max(disk, copy, compute) with two slots or more (the ring overlaps them), their sum
-             with one; the disk idles, though, while the layers held in memory compute longer
+             with one; the copy engine idles, though, while the resident layers between two
+             streamed ones (and the head) compute longer than the ring's copies ahead take, and
+             the disk idles while the layers held in memory compute longer
              than it takes to fill the ring ahead of them (on a GPU the disk's layers are one
              stretch after the held ones; on a CPU they are spread among them: Plan.make)
 A routed mixture of experts reads and multiplies only the experts its tokens pick: the expected
@@ -117,9 +119,13 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         return at(hardware.step_seconds, rows) if hardware.step_seconds else 0.0
 
     def step(rows: int, tokens_in_context: float, prefill: bool) -> tuple[float, float, float, float]:
-        moved, rate = step_bytes(rows), hardware.disk_gbps * 1e9
+        # A ring with a slot for every streamed layer keeps them there after the first forward: a
+        # decode step then reads and copies nothing (tests/test_timed_device.py). Counted on a GPU
+        # alone for now: on a CPU the search would then pick a deep ring over held layers.
+        kept = hardware.gpu and not prefill and streamed_layers <= c.prefetch_depth
+        moved, rate = 0 if kept else step_bytes(rows), hardware.disk_gbps * 1e9
         disk = disk_layers * moved / rate
-        if costs.experts and disk_layers:
+        if costs.experts and disk_layers and not kept:
             # The first layer read from disk has no layer before it to guess its experts (nor to
             # guess wrong): they are read once its router has picked them, with nothing to overlap.
             disk += (step_bytes(rows, guessed=False) - moved + costs.expected_experts(rows) * fmt.expert_bytes) / rate
@@ -129,7 +135,16 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
             copy = (streamed_layers * moved + (0 if prefill else kv_now)) / (hardware.h2d_gbps * 1e9)
         per_layer = layer_compute(rows, tokens_in_context, prefill)
         compute = layers * per_layer + step_overhead(rows) + hardware.seconds("stored", costs.head_weights, b)
-        if disk_layers and c.prefetch_depth >= 2:
+        if copy and streamed_layers and c.prefetch_depth >= 2 and not kept:
+            # The copy engine idles where what computes between two streamed layers (resident
+            # layers, and the head at the step's turn) takes longer than the copies the ring has
+            # queued ahead: prefetch_depth - 1. On a GPU the resident layers are spread among the
+            # streamed ones (Plan.make), a mixture's read per expert excepted: one stretch first.
+            between = compute - streamed_layers * per_layer
+            ahead = (c.prefetch_depth - 1) * moved / (hardware.h2d_gbps * 1e9)
+            gaps = 1 if costs.experts else streamed_layers
+            copy += gaps * max(between / gaps - ahead, 0.0)
+        if disk_layers and c.prefetch_depth >= 2 and not kept:
             # While the layers held in memory compute, the disk reads ahead only as far as the ring
             # reaches; the rest of that time it idles. On a GPU, and for a mixture's layers read per
             # expert, the disk's layers are one stretch (Plan.make): the ring reaches prefetch_depth
