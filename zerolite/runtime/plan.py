@@ -8,8 +8,8 @@ host budget holds them, else from the layout on disk.
 On a GPU the device's tier takes layers spread among the streamed ones, so that the copy engine
 always has a streamed layer to fetch while resident ones compute: the ring reads ahead only
 prefetch_depth - 1 blocks that need a transfer, and a run of resident layers that computes longer
-than those copies take leaves the link idle (at 4096 rows a step, four 70B layers resident first
-of eight kept an H100's link 87% busy on the timed simulated GPU, spread 100%: tests/test_timed_device.py).
+than those copies take leaves the link idle (at 5120 rows a step, four 70B layers resident first
+of eight kept an H100's link 83% busy on the timed simulated GPU, spread 100%: tests/test_timed_device.py).
 Elsewhere (a CPU, whose device tier is host memory, and a mixture's layers read per expert) the
 device's tier takes the first layers. Host memory's takes the next streamed ones. Where the device computes from
 host memory (a CPU), the layers read from disk are spread evenly among those held there, so that
