@@ -14,15 +14,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import uuid
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+import zerolite
 import zerolite.runtime.loader
 import zerolite.runtime.policy
 from cli_runner import run
 from helpers import generate_args, lines_by_id
 from zerolite.errors import ZeroliteError
 from zerolite.dist.world import World, failed_line
-from zerolite.runtime.loader import rank_device
+from simulated_device import SimulatedDevice
+from zerolite.io.device import CudaDevice, resolve
+from zerolite.runtime.loader import rank_device, shared_gpu
 from zerolite.runtime.policy import Policy
 
 LAYERS = 4
@@ -123,6 +130,52 @@ def test_more_ranks_than_the_gpus_they_all_see_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(zerolite.runtime.loader, "cuda_device_count", lambda: 2)
     with pytest.raises(ZeroliteError, match="4 ranks on this node but 2 GPUs"):
         rank_device(Policy(device="cuda"), World(rank=2, size=4, local_rank=2, local_size=4))
+
+
+class OneProcessWorld(World):
+    """A job's ranks played by this process: every rank's result in a gather is this one's, but for
+    the GPUs' identities, which are given (the others' ranks, in order)."""
+
+    def __init__(self, size: int, gpus: list):
+        super().__init__(rank=0, size=size)
+        object.__setattr__(self, "gpus", gpus)
+
+    def start(self) -> None:
+        pass
+
+    def together(self, step, what):
+        mine = step()
+        return [mine, *self.gpus] if what == "finding the GPUs" else [mine] * self.size
+
+
+def test_a_rank_knows_its_gpu_by_uuid_and_the_ranks_sharing_it(monkeypatch):
+    """CUDA_VISIBLE_DEVICES renumbers the GPUs: cuda:0 of two ranks may be one GPU or two."""
+    uuids = {0: uuid.UUID(int=7), 1: uuid.UUID(int=9)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid=uuids[device.index]))
+    gpu = CudaDevice(torch.device("cuda", 0))
+    assert gpu.identity() == str(uuid.UUID(int=7))
+    assert shared_gpu(gpu, OneProcessWorld(4, [str(uuids[0]), str(uuids[1]), str(uuids[0])])) == 3
+    assert shared_gpu(gpu, OneProcessWorld(2, [str(uuids[1])])) == 1
+    assert shared_gpu(gpu, World()) == 1
+    assert shared_gpu(resolve("cpu"), OneProcessWorld(2, [None])) == 1  # a CPU's ranks share the node's memory already
+
+
+def test_ranks_sharing_one_gpu_each_plan_their_share_of_it(layout):
+    """Three ranks on one GPU (issue 37, defect 4): alone, a rank's budget holds every layer; as one
+    of three, a third of the GPU less its own reserve holds none."""
+
+    class SharedGpu(SimulatedDevice):
+        def identity(self) -> str:
+            return "GPU-shared"
+
+    def resident_layers(others: list) -> set:
+        sim = SharedGpu(memory_bytes=6 << 30)
+        with sim.watching(), zerolite.load(layout, offload="cpu", device=sim, world=OneProcessWorld(3, others),
+                                            show_progress=False) as lm:
+            return set(lm.plan.resident) & set(lm.layout.manifest.layer_names)
+
+    assert len(resident_layers(["GPU-a", "GPU-b"])) == LAYERS
+    assert resident_layers(["GPU-shared", "GPU-shared"]) == set()
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])

@@ -111,6 +111,11 @@ class Device:
         """What computes: the CPU's or GPU's model, as figures measured on it are kept under."""
         return self.name
 
+    def identity(self) -> str | None:
+        """What tells this GPU from every other on the node, whatever number a process sees it under
+        (CUDA_VISIBLE_DEVICES renumbers them): its UUID. None where there is no device memory to share."""
+        return None
+
 
 class HostEvent:
     """An event on a device with one memory: everything queued has already run when it is made."""
@@ -181,6 +186,9 @@ class CudaDevice(Device):
 
     def processor(self) -> str:
         return torch.cuda.get_device_name(self.torch_device)
+
+    def identity(self) -> str:
+        return str(torch.cuda.get_device_properties(self.torch_device).uuid)
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.torch_device)

@@ -9,6 +9,8 @@ dequantisation takes, plus a reserve for activations and the K/V cache, which de
 and lengths the plan cannot know yet: a tenth of the memory,
 at least RESERVE_BYTES. --batch-size auto later fills what the weights left. The host budget is a
 node's: the ranks torchrun starts on it hold one copy of the weights, and a ring and headroom each.
+Ranks that share one GPU (a launcher that shows each its own CUDA_VISIBLE_DEVICES, all the same
+GPU) split it: each budgets its share of the free memory as if it were a GPU of that size.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ class Budgets:
     host: int     # bytes of layers that may stay in host memory instead of streaming from disk
 
     @classmethod
-    def make(cls, manifest: Manifest, policy: Policy, device: Device, ranks_here: int = 1) -> Budgets:
+    def make(cls, manifest: Manifest, policy: Policy, device: Device, ranks_here: int = 1,
+             ranks_on_gpu: int = 1) -> Budgets:
         """ranks_here: the ranks on this node (torchrun). They share one host copy of the layers
         (and, on a CPU, of the resident blocks), so --cpu-memory is the node's; each has its own
-        ring and its own headroom."""
+        ring and its own headroom. ranks_on_gpu: the ranks running on this rank's GPU (shared_gpu),
+        each taking that share of its free memory (--gpu-memory is each rank's own)."""
         layers = manifest.layer_names
         slot = max((manifest.block(name).length for name in layers), default=0)
         ring_on_device = policy.prefetch_depth * slot if device.separate_memory else 0
@@ -45,7 +49,7 @@ class Budgets:
         elif policy.gpu_memory is not None:
             on_device = policy.gpu_memory
         else:
-            free, total = device.memory()
+            free, total = (size // ranks_on_gpu for size in device.memory())
             on_device = max(free - ring_on_device - reserve(total) - dequantize_workspace(manifest), 0)
         if policy.cpu_memory is not None:
             in_host = policy.cpu_memory

@@ -64,24 +64,28 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
                    timeline: Timeline, held_first: Callable[[], Policy] | None = None) -> Executor:
     """The executor for layout on device, alike on every rank:
 
-    1. held_first (a draft, held whole) loads, and gives the policy to plan with; then each rank
-       measures what its device and host memory hold (Budgets)
+    1. the ranks learn which of them share a GPU (shared_gpu); held_first (a draft, held whole)
+       loads, and gives the policy to plan with; then each rank measures what its device and
+       host memory hold (Budgets), its share where it shares its GPU
     2. one plan for every rank, from the smallest budgets: a node's host copy holds the same
        layers for all of its ranks
     3. each rank checks that the plan fits (preflight); the lead prints the warnings
     4. the executor: resident blocks read and bound, hooks set
     """
+    ranks_on_gpu = shared_gpu(device, world)
+
     def budget() -> Budgets:
         nonlocal policy
         if held_first is not None:  # first, so that the default budgets see what it left
             policy = held_first()
-        return Budgets.make(layout.manifest, policy, device, world.local_size)
+        return Budgets.make(layout.manifest, policy, device, world.local_size, ranks_on_gpu)
 
     measured = world.together(budget, "loading")
     budgets = Budgets(min(b.device for b in measured), min(b.host for b in measured))
     plan = Plan.make(layout.manifest, policy, budgets, device.pinned_cost, world.local_size,
                      resident_dense(layout, device, policy), device.separate_memory)
-    warnings = world.each(lambda: preflight(layout, plan, policy, device, world.local_size), "checking memory")
+    warnings = world.each(lambda: preflight(layout, plan, policy, device, world.local_size, ranks_on_gpu),
+                          "checking memory")
     for warning in warnings if world.leads else ():
         print(f"zerolite: warning: {warning}", file=sys.stderr)
 
@@ -102,6 +106,17 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
     if executor.experts_note and world.leads:
         print(f"zerolite: {executor.experts_note}", file=sys.stderr)
     return executor
+
+
+def shared_gpu(device: Device, world: World) -> int:
+    """How many of the job's ranks run on this rank's GPU, told by its UUID (one gather): a launcher
+    that gives every rank CUDA_VISIBLE_DEVICES of the same one GPU, or more ranks than GPUs, makes
+    each see a whole GPU free, and each would plan to fill it."""
+    if not world.distributed:
+        return 1
+    identities = world.together(device.identity, "finding the GPUs")
+    mine = identities[world.rank]
+    return identities.count(mine) if mine is not None else 1
 
 
 def resident_dense(layout: Layout, device: Device, policy: Policy):

@@ -19,9 +19,11 @@ from zerolite.runtime.policy import Policy
 from zerolite.runtime.resident import STAGING_BYTES
 
 
-def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_here: int = 1) -> list[str]:
+def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_here: int = 1,
+              ranks_on_gpu: int = 1) -> list[str]:
     """ranks_here: the ranks on this node (torchrun), which share one copy of what host memory
-    holds of the weights, each with its own ring and expert cache."""
+    holds of the weights, each with its own ring and expert cache. ranks_on_gpu: the ranks that
+    share this rank's GPU, each with its share of the free memory."""
     manifest = layout.manifest
     separate = device.separate_memory
     resident = manifest.nbytes(plan.resident)
@@ -61,7 +63,7 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
         )
 
     if separate:
-        free, _ = device.memory()
+        free = device.memory()[0] // ranks_on_gpu
         # Resident quantized weights kept dequantised, and a streamed one dequantised per call.
         kept = keeps_dense(device, policy.offload)
         dense = sum(dense_bytes(manifest, name) for name in plan.resident) if kept else 0
