@@ -32,6 +32,7 @@ import torch
 
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT, aligned_empty, host_bytes, host_mapping
+from zerolite.io.numa import gpu_node, prefer_node, several_nodes
 
 
 class Device:
@@ -224,7 +225,16 @@ class CudaDevice(Device):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        return registered_host_memory(max(nbytes, 1), self.torch_device.index)[:nbytes]
+        return registered_host_memory(max(nbytes, 1), self.torch_device.index, self.numa_node)[:nbytes]
+
+    @functools.cached_property
+    def numa_node(self) -> int | None:
+        """The NUMA node pinned memory is asked of (zerolite.io.numa): the GPU's, where the machine has
+        several nodes and says which; None where it has one (the sysfs look comes first: no CUDA call)."""
+        if not several_nodes():
+            return None
+        properties = torch.cuda.get_device_properties(self.torch_device)
+        return gpu_node(f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:{properties.pci_device_id:02x}.0")
 
     def adopt_host(self, array: ctypes.Array, mapping: mmap.mmap, starts: Sequence[int] = (0,)) -> torch.Tensor:
         return registered(array, mapping, "the node's shared host copy", self.torch_device.index, starts)
@@ -331,10 +341,13 @@ class _Registration:
             self.release()
 
 
-def registered_host_memory(nbytes: int, index: int) -> torch.Tensor:
+def registered_host_memory(nbytes: int, index: int, node: int | None = None) -> torch.Tensor:
     """nbytes of anonymous memory (huge pages where the kernel gives them: zerolite.io.engine.host_mapping),
-    page-locked for GPU index."""
-    return registered(*host_mapping(host_bytes(nbytes)), "host memory", index)
+    from NUMA node where one is given (before registering touches the pages), page-locked for GPU index."""
+    array, mapping = host_mapping(host_bytes(nbytes))
+    if node is not None:
+        prefer_node(ctypes.addressof(array), len(array), node)
+    return registered(array, mapping, "host memory", index)
 
 
 def registration_chunks(nbytes: int, starts: Sequence[int]) -> list[tuple[int, int]]:
