@@ -163,6 +163,33 @@ def test_generate_on_a_simulated_gpu_saying_cuda_decodes_with_the_experts_implem
         assert len(seen) == NEW_TOKENS and all(implementation == built for implementation in seen), seen
 
 
+@pytest.mark.parametrize("setup", ["nvme", "cpu"])
+def test_on_a_gpu_expert_copies_run_on_a_stream_apart_from_the_dense_parts(make_source, make_layout, setup):
+    """A layer's experts are known only once its router runs; on the copy stream that carries the
+    dense parts read ahead for the next layers they would queue behind those. On the simulated
+    device every copy into a slot is recorded with its stream: a dense part's from the slot's
+    first byte, an expert's from its extent in the expert area. From disk and from host memory,
+    the two never share a stream, and the tokens are transformers'."""
+    layout, reference = layout_and_reference("mixtral", make_source, make_layout)
+    sim = SimulatedDevice(seed=11, max_delay_s=2e-4)  # shorter lags: many copies, kept quick
+    streams = {"dense": set(), "experts": set()}
+    with sim.watching(), zerolite.load(layout, prefetch_depth=3, **{**NVME, **SETUPS[setup], "device": sim,
+                                                                    "gpu_memory": 0}) as lm:
+        assert lm.per_expert
+        slots = {slot.device.untyped_storage().data_ptr(): slot.device.data_ptr() for slot in lm.executor.slots._slots}
+        copy = sim.copy
+
+        def recorded(dst, src, stream):
+            first = slots.get(dst.untyped_storage().data_ptr())
+            if first is not None:
+                streams["experts" if dst.data_ptr() > first else "dense"].add(stream.name)
+            copy(dst, src, stream)
+
+        sim.copy = recorded
+        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
+    assert streams["dense"] and streams["experts"] and not streams["dense"] & streams["experts"], streams
+
+
 def test_each_layer_routed_per_expert_waits_for_the_device_once(tiny, monkeypatch):
     """Its routing and the next layer's guess go to the host together: each answer taken there
     (tolist, item, cpu) makes the host wait for the GPU, which it should rather keep queueing ahead of."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 from zerolite.errors import ZeroliteError
@@ -16,6 +17,16 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     disable_progress_bars()
+
+
+@functools.cache
+def cache_keyword() -> str:
+    """What transformers calls the K/V cache in forward, generate and their outputs: `cache` in its
+    later 5.x releases, `past_key_values` up to 5.17 (the GPU machines' image), where a `cache=`
+    is refused as an unused argument. Every call site asks here rather than naming either."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def load_tokenizer(folder: Path):

@@ -16,7 +16,10 @@ device the host bytes are what compute uses: no copy at all.
 A mixture's layer streamed per expert (zerolite.moe.experts) comes in two parts: want() brings its
 dense part; want_experts() and wait_experts() bring the experts a step's router picked (or a guess
 at them) into their places in the same slot, from the expert cache, the block's memory home or the
-disk. The experts' tensors are bound over the whole slot: rows not brought are never read.
+disk. The experts' tensors are bound over the whole slot: rows not brought are never read. On a
+GPU their copies run on a stream of their own: the router's picks are known only once the layer
+runs, and on the one copy stream they would queue behind the dense parts read ahead for the next
+layers, the layer waiting the while.
 
 Slots never decide which block comes next; the executor does.
 """
@@ -57,6 +60,7 @@ class Slot:
     ticket: int | None = None            # engine read into host, not yet waited for
     submitted: float = 0.0               # when that read was submitted (perf_counter)
     copied: object | None = None         # the device's event for the host-to-device copy, once queued
+    experts_copied: object | None = None  # ... for the last of its experts' copies (on the experts' stream)
     computed: object | None = None       # ... and for compute's last use of the device buffer
     in_use: bool = False
     started: int = 0                     # for picking the longest-idle slot to refill
@@ -82,6 +86,7 @@ class Slots:
         self.expert_bytes_read = 0  # of disk reads, those of experts (the rest: dense parts and whole blocks)
         reads = disk is not None
         self.copy_stream = device.new_stream() if self.separate else None
+        self.expert_stream = device.new_stream() if self.separate and per_expert else None
         self._slots = [
             Slot(
                 host=device.pinned_empty(slot_bytes) if reads else None,
@@ -94,7 +99,8 @@ class Slots:
         if self.separate:
             # The device buffers were allocated on the compute stream; the copy stream writes them
             # first, so it comes after whatever compute queued before they were handed out.
-            device.wait_stream(self.copy_stream, device.compute_stream())
+            for stream in self._streams:
+                device.wait_stream(stream, device.compute_stream())
 
     def want(self, names: list[str]) -> None:
         """Makes sure these blocks are here or on their way, refilling slots that hold none of them
@@ -144,7 +150,7 @@ class Slots:
                     fetch.ticket = self.disk.submit(name, self._expert_bytes(slot, fetch), fetch.start, fetch.length)
                     self.expert_bytes_read += fetch.length
             if self.separate and fetch.ticket is None:
-                fetch.copied = self._copy_range(slot, fetch.start, fetch.length)
+                fetch.copied = self._copy_expert(slot, fetch)
 
     def wait_experts(self, name: str, experts) -> None:
         """These experts' bytes are ready for compute on the compute stream (want_experts came first)."""
@@ -246,8 +252,13 @@ class Slots:
         host buffer about to be unpinned and unmapped, and write a device buffer the allocator is
         about to hand to the next allocation."""
         self.drain()
-        if self.separate:
-            self.device.synchronize(self.copy_stream)
+        for stream in self._streams:
+            self.device.synchronize(stream)
+
+    @property
+    def _streams(self) -> list:
+        """The streams copies into the slots run on."""
+        return [stream for stream in (self.copy_stream, self.expert_stream) if stream is not None]
 
     def _await(self, slot: Slot) -> None:
         ticket, slot.ticket = slot.ticket, None  # spent once waited for, whether the read failed or not
@@ -292,7 +303,7 @@ class Slots:
         if self.cache is not None:
             self.cache.put((slot.block, expert), data)
         if self.separate:
-            fetch.copied = self._copy_range(slot, fetch.start, fetch.length)
+            fetch.copied = self._copy_expert(slot, fetch)
 
     def _expert_bytes(self, slot: Slot, fetch: ExpertFetch) -> torch.Tensor:
         return slot.source[fetch.start : fetch.start + fetch.length]
@@ -321,7 +332,7 @@ class Slots:
     def _forget(self, slot: Slot) -> None:
         """The slot holds no block any more: a failed read's bytes must never be taken for it."""
         self._by_block.pop(slot.block, None)
-        slot.block, slot.source, slot.copied = None, None, None
+        slot.block, slot.source, slot.copied, slot.experts_copied = None, None, None, None
         slot.experts = {}
 
     def _read_done(self, slot: Slot, finished: float) -> None:
@@ -339,6 +350,13 @@ class Slots:
             for copied in [slot.copied] + [f.copied for f in slot.experts.values()]:
                 if copied is not None:
                     copied.synchronize()
+        if self.expert_stream is not None:
+            # The next block's copies into the slot, on either stream, come after the last ones on
+            # the other (compute, which orders them otherwise, may never have run the block).
+            if slot.experts_copied is not None:
+                self.device.wait_event(self.copy_stream, slot.experts_copied)
+            if slot.copied is not None:
+                self.device.wait_event(self.expert_stream, slot.copied)
         self._forget(slot)
 
     def _copy(self, slot: Slot) -> None:
@@ -347,16 +365,19 @@ class Slots:
         placed = device_placement(self.manifest.block(slot.block))
         slot.copied = self._copy_moves(slot, placed.within(0, self._needed(slot.block)))
 
-    def _copy_range(self, slot: Slot, start: int, nbytes: int):
-        """Queues the copy of the block's bytes [start, start + nbytes) to the same place on the device."""
-        return self._copy_moves(slot, [Move(start, start, nbytes)])
+    def _copy_expert(self, slot: Slot, fetch: ExpertFetch):
+        """Queues the copy of one expert's bytes to the same place on the device, on the experts' stream."""
+        slot.experts_copied = self._copy_moves(slot, [Move(fetch.start, fetch.start, fetch.length)], self.expert_stream)
+        return slot.experts_copied
 
-    def _copy_moves(self, slot: Slot, moves: list[Move]):
-        """Queues the copies of the block's bytes to the device, one per move; returns the event of the last."""
+    def _copy_moves(self, slot: Slot, moves: list[Move], stream=None):
+        """Queues the copies of the block's bytes to the device, one per move, on stream (the copy
+        stream by default); returns the event of the last."""
+        stream = self.copy_stream if stream is None else stream
         if slot.computed is not None:
-            self.device.wait_event(self.copy_stream, slot.computed)  # compute may still read the old block
-        with self.timeline.span("copy", slot.block, stream=self.copy_stream, bytes=sum(move.length for move in moves)):
+            self.device.wait_event(stream, slot.computed)  # compute may still read the old block
+        with self.timeline.span("copy", slot.block, stream=stream, bytes=sum(move.length for move in moves)):
             for move in moves:
                 self.device.copy(slot.device[move.to:move.to + move.length],
-                                 slot.source[move.start:move.start + move.length], self.copy_stream)
-        return self.device.record(self.copy_stream)
+                                 slot.source[move.start:move.start + move.length], stream)
+        return self.device.record(stream)
