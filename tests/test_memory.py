@@ -19,6 +19,7 @@ PROMPT = [5, 17, 33, 9, 44, 61, 70, 12]
 MEASURE = textwrap.dedent(
     """
     import json, sys, torch, zerolite
+    from zerolite.hf import cache_keyword
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -29,7 +30,7 @@ MEASURE = textwrap.dedent(
         with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=int(sys.argv[3]), show_progress=False) as lm:
             out = lm.generate(input_ids=torch.tensor(json.loads(sys.argv[4])), max_new_tokens=int(sys.argv[5]),
                               do_sample=False, return_dict_in_generate=True)
-            return sum(layer.keys.nbytes + layer.values.nbytes for layer in out.past_key_values.layers)
+            return sum(layer.keys.nbytes + layer.values.nbytes for layer in getattr(out, cache_keyword()).layers)
 
     run(sys.argv[1])
     open("/proc/self/clear_refs", "w").write("5")

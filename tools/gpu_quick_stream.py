@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import inspect
 import json
 import statistics
 import threading
@@ -206,17 +205,12 @@ def simulated_intervals(device, into: list):
         device._landing = original
 
 
-def cache_keyword(model) -> str:
-    """What the model's forward calls its K/V cache: "cache" in later transformers 5 releases,
-    "past_key_values" before (which the later ones would take into **kwargs and leave unused)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def step_profile(c: Child) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import zerolite
+    from zerolite.hf import cache_keyword
 
     folder = c.prior("folder")
     if "layout" not in folder:
@@ -237,7 +231,7 @@ def step_profile(c: Child) -> None:
                 lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
                             do_sample=False, pad_token_id=0)  # warm: the schedule is recorded on the first forward
                 cache = lm.new_cache()
-                given = {cache_keyword(lm.model): cache, "use_cache": True}
+                given = {cache_keyword(): cache, "use_cache": True}
                 logits = lm.model(input_ids=ids, **given).logits
                 token = logits[:, -1:].argmax(-1)
                 device.synchronize()

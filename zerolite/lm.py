@@ -14,13 +14,15 @@ import os
 import time
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.convert.resolve import ensure_layout
 from zerolite.dist.world import SINGLE, World
 from zerolite.errors import ZeroliteError
-from zerolite.hf import load_tokenizer, quiet_transformers
+from zerolite.hf import cache_keyword, load_tokenizer, quiet_transformers
 from zerolite.io.device import Device
 from zerolite.io.engine import IoEngine
 from zerolite.layout.folder import Layout
@@ -140,6 +142,7 @@ class OffloadedLM:
         kv_offload set, a cache that keeps that fraction of the layers' K/V in host memory."""
         input_ids = args[0] if args else kwargs.get("input_ids")
         check_token_ids(self.model.config, input_ids)
+        kwargs = cache_renamed(kwargs)
         refuse_static_cache(self.model, kwargs)
         if self.draft is not None:
             if isinstance(input_ids, torch.Tensor) and input_ids.shape[0] > 1:
@@ -167,7 +170,7 @@ class OffloadedLM:
                 config.cache_implementation = None
         cache = self.new_cache(job_length(input_ids, kwargs, config)) if offload_kv else None
         if cache is not None:
-            kwargs["cache"] = cache
+            kwargs[cache_keyword()] = cache
         output = None
         try:
             output = self.model.generate(*args, **kwargs)
@@ -177,7 +180,7 @@ class OffloadedLM:
             raise
         finally:
             if cache is not None:
-                if getattr(output, "past_key_values", None) is cache:
+                if getattr(output, cache_keyword(), None) is cache:
                     cache.settle()  # the caller has it
                 else:
                     cache.release()  # its host buffers serve the next generate
@@ -194,9 +197,20 @@ class OffloadedLM:
         self.close()
 
 
+def cache_renamed(kwargs: dict) -> dict:
+    """generate's arguments with a cache given under either name put under the one the installed
+    transformers takes (zerolite.hf.cache_keyword): code written for either release runs on both."""
+    other = "past_key_values" if cache_keyword() == "cache" else "cache"
+    if other not in kwargs:
+        return kwargs
+    renamed = dict(kwargs)
+    renamed[cache_keyword()] = renamed.pop(other)
+    return renamed
+
+
 def given_cache(kwargs: dict):
-    """The cache a caller passed to generate: transformers 5 names it cache (past_key_values before)."""
-    return kwargs.get("cache", kwargs.get("past_key_values"))
+    """The cache a caller passed to generate (after cache_renamed)."""
+    return kwargs.get(cache_keyword())
 
 
 def refuse_static_cache(model, kwargs: dict) -> None:

@@ -19,6 +19,7 @@ import time
 import torch
 from torch import nn
 
+from zerolite.hf import cache_keyword
 from zerolite.io.device import Device
 from zerolite.planner.shrunk_config import PROBE_VOCAB, shrunk
 from zerolite.quant.linear import Int4Linear, Int8Linear
@@ -200,8 +201,8 @@ def time_decode(model: nn.Module, clock: LayerClock, rows: int, generator: torch
 
 
 def carried(output) -> dict:
-    """The output's cache as the next step takes it: `cache`, or RWKV's `state`. A model that
-    returns neither keeps its state in its modules (RecurrentGemma) and starts it afresh at a call
-    without a cache: its steps are then one-token prompts, the same work bar attention's few
+    """The output's cache as the next step takes it (zerolite.hf.cache_keyword), or RWKV's `state`.
+    A model that returns neither keeps its state in its modules (RecurrentGemma) and starts it
+    afresh at a call without a cache: its steps are then one-token prompts, the same work bar attention's few
     cached positions."""
-    return {name: output[name] for name in ("cache", "state") if output.get(name) is not None}
+    return {name: output[name] for name in (cache_keyword(), "state") if output.get(name) is not None}

@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from zerolite.errors import ZeroliteError
+from zerolite.hf import cache_keyword
 from zerolite.runtime.kv_cache import PartialOffloadCache
 from zerolite.text import pad_id
 
@@ -123,7 +124,7 @@ class RunningBatch:
         if self._takes_positions:
             extra["position_ids"] = positions.to(device)
         inputs = self.model.prepare_inputs_for_generation(
-            ids.to(device), next_sequence_length=chunk, cache=self.cache,
+            ids.to(device), next_sequence_length=chunk, **{cache_keyword(): self.cache},
             # all ones is left out, as generate leaves it out, for the attention's unmasked path
             attention_mask=None if bool(mask.all()) else mask.to(device), use_cache=True, **extra)
         with torch.no_grad():  # as generate: K/V made here are changed in place later, which inference mode forbids

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from zerolite.hf import cache_keyword
 from zerolite.runtime.timeline import NO_TIMELINE
 
 LONGEST_DRAFT = 16
@@ -113,8 +114,8 @@ class Forwards:
         if self.positions:
             extra["position_ids"] = (mask.cumsum(-1) - 1).clamp_(min=0)
         inputs = self.model.prepare_inputs_for_generation(
-            input_ids, next_sequence_length=length - self.seen if self.seen else None, cache=self.cache,
-            attention_mask=mask, is_first_iteration=self.seen == 0, **extra)
+            input_ids, next_sequence_length=length - self.seen if self.seen else None,
+            attention_mask=mask, **{cache_keyword(): self.cache}, is_first_iteration=self.seen == 0, **extra)
         if self.model._supports_logits_to_keep():
             inputs["logits_to_keep"] = logits
         out = self.model(**inputs)
@@ -147,10 +148,10 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     """
     sample = generation_config.do_sample
     # what generate prepared for the prompt alone; Forwards makes them anew for each forward
-    per_forward = ("cache", "attention_mask", "position_ids", "logits_to_keep")
+    per_forward = (cache_keyword(), "attention_mask", "position_ids", "logits_to_keep")
     extra = {k: v for k, v in model_kwargs.items() if k not in per_forward}
     mask, positions = model_kwargs.get("attention_mask"), "position_ids" in model_kwargs
-    target = Forwards(model, model_kwargs["cache"], mask, extra, positions)
+    target = Forwards(model, model_kwargs[cache_keyword()], mask, extra, positions)
     draft = Forwards(speculator.model, DynamicCache(config=speculator.model.config), mask, {"use_cache": True},
                      positions)
     stats, length, timeline = speculator.stats, speculator.length, speculator.timeline

@@ -27,7 +27,7 @@ import torch
 from zerolite.convert.resolve import ensure_layout
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
-from zerolite.hf import load_tokenizer
+from zerolite.hf import cache_keyword, load_tokenizer
 from zerolite.io.device import Device
 from zerolite.layout.folder import Layout
 from zerolite.layout.read_pass import read_pass
@@ -104,15 +104,15 @@ def draft_step_s(draft_lm, steps: int = 4) -> float:
     it is warm (DraftLength starts from it, and ring_depth sizes the reads ahead with it)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=draft_lm.config)
+    cache = {cache_keyword(): DynamicCache(config=draft_lm.config)}
     token = torch.ones((1, 1), dtype=torch.long, device=draft_lm.torch_device)
     with torch.no_grad(), one_thread():  # as the rounds run it
-        draft_lm.model(input_ids=token.repeat(1, 8), cache=cache, use_cache=True)
-        draft_lm.model(input_ids=token, cache=cache, use_cache=True)
+        draft_lm.model(input_ids=token.repeat(1, 8), use_cache=True, **cache)
+        draft_lm.model(input_ids=token, use_cache=True, **cache)
         draft_lm.device.synchronize()
         started = time.perf_counter()
         for _ in range(steps):
-            draft_lm.model(input_ids=token, cache=cache, use_cache=True)
+            draft_lm.model(input_ids=token, use_cache=True, **cache)
         draft_lm.device.synchronize()
     return (time.perf_counter() - started) / steps
 
