@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zerolite
+import zerolite.lm
 import zerolite.spec.draft
 from cli_runner import assert_one_line_error, run, run_tool
 from helpers import greedy
@@ -58,11 +59,23 @@ def test_rejected_guesses_are_rolled_back_past_a_sliding_window(arch, make_layou
     keeps what a rollback needs only while it records its past (transformers' assisted decoding
     turns that on too), and each round's crop trims it back."""
     layout, other = make_layout(arch, layers=4), make_layout(arch, layers=2, seed=1)
+    if not zerolite.lm.SLIDING_CACHE_REWINDS:  # transformers up to 5.17 (the GPU machines' image)
+        with pytest.raises(ZeroliteError, match="sliding-window layers"):
+            plain_and_drafted(layout, str(other), device="cpu", offload="nvme", cpu_memory=0)
+        return
     plain, drafted, _, _ = plain_and_drafted(layout, str(other), device="cpu", offload="nvme", cpu_memory=0)
     assert torch.equal(plain, drafted)
 
 
-@pytest.mark.parametrize("arch, why", [("jamba", "carry a recurrent state"), ("recurrent_gemma", "carry a recurrent state"),
+def test_before_transformers_5_18_a_draft_for_a_sliding_window_model_is_refused(make_layout, monkeypatch):
+    """Up to 5.17 a sliding window's cache cannot be rewound (its next pass fails in attention):
+    refused in one line before loading, naming the release that can."""
+    monkeypatch.setattr(zerolite.lm, "SLIDING_CACHE_REWINDS", False)
+    with pytest.raises(ZeroliteError, match=r"sliding-window layers.*transformers>=5.18"):
+        zerolite.load(make_layout("gemma2"), draft="self-int8", device="cpu", show_progress=False)
+
+
+@pytest.mark.parametrize("arch, why", [("jamba", "carry a recurrent state"), ("recurrent_gemma", "carry a recurrent state|sliding-window"),
                                        ("minimax", "class of its own"), ("rwkv", "class of its own")])
 def test_a_draft_for_a_model_whose_cache_cannot_be_rewound_is_refused(arch, why, make_layout):
     """A recurrent state cannot be cropped back past rejected guesses (it would give other tokens),

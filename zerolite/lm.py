@@ -46,6 +46,9 @@ from zerolite.spec.draft import (
 )
 from zerolite.text import check_token_ids
 
+# Up to 5.17 a sliding-window cache layer recording its past (for a rewind) hands attention every key
+# it holds, not the window its mask was made for: speculative decoding's next pass fails in attention.
+SLIDING_CACHE_REWINDS = Version(transformers.__version__) >= Version("5.18")
 FILL_RECORDED_BYTES = 256 << 20  # a load that read this much (or more) records how fast memory filled
 
 
@@ -320,7 +323,8 @@ def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> No
       models: _supports_default_dynamic_cache);
     - speculative decoding rewinds the target's cache past the guesses it rejects, which crop cannot
       do to a recurrent state (state-space, linear-attention and recurrent layers: transformers'
-      LinearAttention cache layers, which are not is_croppable once they hold one)."""
+      LinearAttention cache layers, which are not is_croppable once they hold one), nor, before
+      transformers 5.18, a sliding window's (SLIDING_CACHE_REWINDS)."""
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     name = model_class.__name__ if model_class is not None else type(config).__name__
     if model_class is not None and not model_class._supports_default_dynamic_cache():
@@ -334,6 +338,10 @@ def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> No
         if any(hasattr(layer, "recurrent_states") for layer in layers):  # LinearAttentionCacheLayerMixin's
             raise ZeroliteError(f"{name} has layers that carry a recurrent state, which speculative decoding cannot "
                                 "rewind past the guesses it rejects: leave out `draft`")
+        if not SLIDING_CACHE_REWINDS and any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise ZeroliteError(f"{name} has sliding-window layers, whose cache transformers {transformers.__version__} "
+                                "cannot rewind past rejected guesses: upgrade it (pip install 'transformers>=5.18'), "
+                                "or leave out `draft`")
 
 
 def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,
