@@ -9,7 +9,9 @@ import torch
 
 import zerolite
 from helpers import new_tokens_alone
+from simulated_device import SimulatedDevice, SimulatedEvent
 from zerolite.errors import ZeroliteError
+from zerolite.runtime import kv_cache
 from zerolite.serve.running_batch import Row, RunningBatch
 from zerolite.serve.text_stream import TextStream
 from tiny_models import save_ascii_tokenizer
@@ -63,6 +65,50 @@ def test_the_kv_cache_partly_in_host_memory_rebatches_too(make_layout, gpu):
         expected = [new_tokens_alone(lm, p, NEW_TOKENS, eos_token_id=None) for p in prompts(1)]
         got, _ = staggered(lm, prompts(1), step_tokens=8)
     assert got == expected
+
+
+def test_rebatching_the_kv_cache_in_host_memory_pins_nothing_and_waits_for_nothing_mid_forward(make_layout,
+                                                                                             monkeypatch):
+    """Rows joining and leaving change every host buffer's size (issue 37, defect 5): once the
+    first rows have grown the pool, the buffers serve the new sizes as they are, unpinning and
+    pinning nothing; and no forward waits on the host for a K/V copy: the running batch waited
+    for them as it changed the rows, and room for a step's tokens is made before its fetch."""
+    monkeypatch.setattr(kv_cache, "MIN_TOKENS", 4)  # the buffers outgrown within a few steps
+    sim = SimulatedDevice(seed=5)
+    pins, unpins, waits, forwarding = [], [], [], []
+    pinned_empty, free = sim.pinned_empty, sim._free
+    monkeypatch.setattr(sim, "pinned_empty", lambda nbytes: pins.append(nbytes) or pinned_empty(nbytes))
+    monkeypatch.setattr(sim, "_free", lambda address, record, *sizes: (unpins.append(1) if record.pinned else None,
+                                                                       free(address, record, *sizes)))
+    synchronize = SimulatedEvent.synchronize
+    monkeypatch.setattr(SimulatedEvent, "synchronize",
+                        lambda event: (waits.append(event.stream.name) if forwarding else None, synchronize(event)))
+    with sim.watching(), zerolite.load(make_layout("llama"), offload="none", device=sim, kv_offload=1.0,
+                                       show_progress=False) as lm:
+        lm.model.register_forward_pre_hook(lambda *_: forwarding.append(1))
+        lm.model.register_forward_hook(lambda *_: forwarding.clear())
+        batch = RunningBatch(lm, step_tokens=64)
+
+        def steps(count: int) -> None:
+            for _ in range(count):
+                for row, logits in batch.step():
+                    row.pending = [int(logits.argmax())]
+
+        batch.add([Row(list(range(3, 3 + n))) for n in (7, 3, 5, 6)])
+        steps(9)  # the prompts in, then decoding: the buffers grown twice, past MIN_TOKENS
+        grown, before = len(pins), len(unpins)
+        waits.clear()  # growing past the buffers waits for the last step's copies, once per doubling
+        batch.remove(batch.rows[1:2])
+        steps(2)
+        batch.add([Row([5, 6, 7])])
+        steps(2)
+        batch.remove(batch.rows[:2])
+        steps(2)
+        batch.reset()  # a new cache, at another batch size: the pool's buffers serve it
+        batch.add([Row([9, 10, 11, 12]), Row([13, 14])])
+        steps(2)
+        assert (len(pins), len(unpins)) == (grown, before)
+    assert waits == []
 
 
 def test_a_sliding_window_bounds_the_columns(make_layout):

@@ -2,7 +2,7 @@
 values on the host between uses (pinned on CUDA), so the batch can grow past device memory.
 
     cache = PartialOffloadCache(model.config, fraction=0.5, device=zerolite.io.device.resolve("cuda"))
-    model.generate(**batch, **{zerolite.hf.cache_keyword(): cache})    # cache=, or past_key_values= up to 5.17
+    model.generate(**batch, cache=cache)
 
 An offloaded layer's K/V are copied to the device one layer ahead of use, on a stream of their
 own, and each step's new keys and values are appended to the host copy in place (its buffer made
@@ -30,25 +30,28 @@ MIN_TOKENS = 256  # the first host buffer's length: appends then rarely realloca
 
 class HostBufferPool:
     """Pinned host buffers for the K/V of the caches one executor makes. Pinning maps and registers
-    memory with the GPU's driver, milliseconds per GB, so buffers a cache is done with come back
-    here and the next cache that needs that size takes them: a second batch of the same shape pins
-    nothing. A size no buffer here has frees them all first, so the pool never holds more than the
+    memory with the GPU's driver, milliseconds per GB, so buffers a layer or a cache is done with
+    come back here, and whatever is asked next takes the smallest that holds it, whatever shape it
+    is viewed in: a batch that changes size (a server's rows joining and leaving) pins nothing while
+    the pool holds enough. Only a request larger than every buffer here pins, and frees them first:
+    every layer's buffers grow alike, so those are outgrown, and the pool never holds more than the
     last cache gave back."""
 
     def __init__(self, device: Device):
         self.device = device
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free: list[torch.Tensor] = []
 
     def take(self, nbytes: int) -> torch.Tensor:
-        if not self._free.get(nbytes):
+        """A flat uint8 buffer of at least nbytes."""
+        fitting = [i for i, buffer in enumerate(self._free) if buffer.nbytes >= nbytes]
+        if not fitting:
             self._free.clear()
             return self.device.pinned_empty(nbytes)
-        return self._free[nbytes].pop()
+        return self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes))
 
     def give(self, *buffers: torch.Tensor) -> None:
         """Buffers no copy reads or writes any more (the caller settled them)."""
-        for buffer in buffers:
-            self._free.setdefault(buffer.nbytes, []).append(buffer)
+        self._free += buffers
 
 
 class HostLayer(DynamicLayer):
@@ -80,16 +83,18 @@ class HostLayer(DynamicLayer):
         self.values = torch.empty((*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=self.dtype)
         self.is_initialized = True
 
-    def prefetch(self) -> None:
-        """Starts bringing the K/V to the device (nothing to move where memory is shared)."""
+    def prefetch(self, extra: int = 0) -> None:
+        """Starts bringing the K/V to the device (nothing to move where memory is shared). extra:
+        the tokens this step appends, room for which is made now, before the fetch reads the
+        buffers: growing them once it has would wait for it, in the middle of the forward."""
         if not self.is_initialized or self._fetched is not None:
             return
         if not self.host.separate_memory:
             self._fetched = (self.keys, self.values, None)
             return
         length = self.keys.shape[-2]
-        if not self._has_room(length):
-            self._grow(length)  # a reordered or selected batch: back into sequence-first buffers
+        if not self._has_room(length + extra):
+            self._grow(length + extra)  # full, or a reordered or selected batch: sequence-first buffers anew
         if self._appended is not None:
             self.host.wait_event(self.fetches, self._appended)  # this layer's last appends have landed
         # The targets come from compute's memory, where they serve compute again once freed (memory
@@ -107,7 +112,7 @@ class HostLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.prefetch()  # a no-op when the cache already fetched this layer one layer ahead
+        self.prefetch(key_states.shape[-2])  # a no-op when the cache already fetched this layer one layer ahead
         keys, values, ready = self._fetched
         self._fetched = None
         if ready is not None:
@@ -119,7 +124,7 @@ class HostLayer(DynamicLayer):
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         length, extra = self.keys.shape[-2], key_states.shape[-2]
         if not self._has_room(length + extra):
-            self._grow(length + extra)
+            self._grow(length + extra)  # not where prefetch made room (a caller's own cache use): waits for the fetch
         stream = self.appends or self.host.compute_stream()
         if self.appends is not None:
             self.host.wait_stream(self.appends, self.host.compute_stream())  # the new keys and values are computed
@@ -139,19 +144,33 @@ class HostLayer(DynamicLayer):
                 and self.keys.stride() == view.stride())
 
     def _grow(self, length: int) -> None:
+        """Lays the K/V out anew in sequence-first host buffers that hold length tokens:
+
+        1. settle: no copy still reads or writes the buffers (nothing is waited for where the
+           running batch settled the layer to change it, at re-batching)
+        2. the layer's own buffers where they hold length tokens at the batch's size now (rows
+           joined or left): nothing pinned; else the pool's, with room for twice the tokens
+        3. the tokens so far copied in, through a copy of their own where they lie in those buffers
+        """
         self.settle()
-        capacity = max(2 * length, MIN_TOKENS, self.tokens)
-        batch, heads, used = self.keys.shape[:3]
-        grown, pinned = [], []
-        for old in (self.keys, self.values):
-            shape = (capacity, batch, heads, old.shape[-1])
-            pinned.append(self.pool.take(math.prod(shape) * self.dtype.itemsize))
-            buffer = pinned[-1].view(self.dtype).view(shape)
-            buffer[:used].copy_(old.permute(2, 0, 1, 3))
+        batch, heads, used, dim = self.keys.shape
+        token_bytes = batch * heads * dim * self.dtype.itemsize
+        pinned = self._pinned
+        if pinned is None or min(flat.nbytes for flat in pinned) < length * token_bytes:
+            wanted = max(2 * length, MIN_TOKENS, self.tokens) * token_bytes
+            pinned = (self.pool.take(wanted), self.pool.take(wanted))
+        capacity = min(flat.nbytes for flat in pinned) // token_bytes
+        grown = []
+        for flat, old in zip(pinned, (self.keys, self.values)):
+            tokens = old.permute(2, 0, 1, 3)
+            if old.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+                tokens = tokens.clone()  # a view of the buffer itself (rows cropped in place): overlaps
+            buffer = flat[:capacity * token_bytes].view(self.dtype).view(capacity, batch, heads, dim)
+            buffer[:used].copy_(tokens)
             grown.append(buffer)
-        if self._pinned is not None:
+        if self._pinned is not None and pinned is not self._pinned:
             self.pool.give(*self._pinned)
-        self._buffers, self._pinned = tuple(grown), tuple(pinned)
+        self._buffers, self._pinned = tuple(grown), pinned
         self.keys, self.values = (buffer[:used].permute(1, 2, 0, 3) for buffer in grown)
 
     def settle(self) -> None:
@@ -162,6 +181,7 @@ class HostLayer(DynamicLayer):
         for event in (self._appended, self._fetch_done):
             if event is not None:
                 event.synchronize()
+        self._appended = self._fetch_done = None  # seen: the next settle waits for nothing
 
     def reset(self) -> None:
         """Empties the layer and hands its host buffers back to the pool."""
@@ -226,7 +246,7 @@ class PartialOffloadCache(DynamicCache):
         # layer: a fetch for a step that may never come would outlive generate.
         following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
         if isinstance(following, HostLayer):
-            following.prefetch()
+            following.prefetch(key_states.shape[-2])  # the same new tokens reach it
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
