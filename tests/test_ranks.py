@@ -12,9 +12,8 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
-
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,9 +24,9 @@ import zerolite.runtime.loader
 import zerolite.runtime.policy
 from cli_runner import run
 from helpers import generate_args, lines_by_id
+from simulated_device import SimulatedDevice
 from zerolite.errors import ZeroliteError
 from zerolite.dist.world import World, failed_line
-from simulated_device import SimulatedDevice
 from zerolite.io.device import CudaDevice, resolve
 from zerolite.runtime.loader import rank_device, shared_gpu
 from zerolite.runtime.policy import Policy
