@@ -2,7 +2,7 @@
 values on the host between uses (pinned on CUDA), so the batch can grow past device memory.
 
     cache = PartialOffloadCache(model.config, fraction=0.5, device=zerolite.io.device.resolve("cuda"))
-    model.generate(**batch, cache=cache)
+    model.generate(**batch, **{zerolite.hf.cache_keyword(): cache})    # cache=, or past_key_values= up to 5.17
 
 An offloaded layer's K/V are copied to the device one layer ahead of use, on a stream of their
 own, and each step's new keys and values are appended to the host copy in place (its buffer made
