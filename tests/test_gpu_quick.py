@@ -137,9 +137,13 @@ def test_a_copy_rate_from_each_numa_node_where_there_are_several(tools, tmp_path
         (tmp_path / node / "cpulist").write_text(cpus + "\n")
     device = SimulatedDevice(seed=0)
     device.adopt_thread()
+    device.numa_node = 1  # zerolite's own placement (the GPU's node): set aside while each node is measured
+    pinned_empty, placements = device.pinned_empty, []
+    device.pinned_empty = lambda nbytes: placements.append(device.numa_node) or pinned_empty(nbytes)
     allowed = os.sched_getaffinity(0)
     rates = steps.numa_copy_rates(device, device.new_stream(), tmp_path, nbytes=1 << 20)
     assert set(rates) == {"node0", "node1"} and all(rate > 0 for rate in rates.values())
+    assert placements == [None, None] and device.numa_node == 1  # given back
     assert os.sched_getaffinity(0) == allowed  # given back
     (tmp_path / "node1" / "cpulist").write_text("\n")  # a node with no CPU this process may use: one node left
     assert steps.numa_copy_rates(device, device.new_stream(), tmp_path, nbytes=1 << 20) == {}

@@ -280,6 +280,9 @@ def numa_copy_rates(device, stream, nodes_dir: Path = Path("/sys/devices/system/
     target = device.empty(nbytes)
     device.wait_stream(stream, device.compute_stream())
     allowed = os.sched_getaffinity(0)
+    # Each node's pages where the pinning thread runs: zerolite's own placement on the GPU's node set aside.
+    placement = getattr(device, "numa_node", None)
+    device.numa_node = None
     try:
         for name, cpus in nodes.items():
             os.sched_setaffinity(0, cpus)
@@ -294,6 +297,7 @@ def numa_copy_rates(device, stream, nodes_dir: Path = Path("/sys/devices/system/
             del host
     finally:
         os.sched_setaffinity(0, allowed)
+        device.numa_node = placement
     return rates
 
 
