@@ -215,6 +215,36 @@ def test_quantized_layers_move_a_fraction_of_bf16s_bytes_per_step(make_source, t
         assert lm.bytes_read == NEW_TOKENS * quantized.nbytes(quantized.layer_names)
 
 
+# Layers a scheme leaves in the layout's dtype, and the model's whole run that once stopped there
+# with an internal error or a refusal: mamba's forward multiplies by dt_proj's weight itself
+# (`self.dt_proj.weight @ x`), RWKV's first forward divides its weights in place (by 1 below
+# rescale_every layers), int4 cannot pack Qwen2-MoE's one-row shared_expert_gate.
+KEPT_DENSE = {"mamba-int8": ("mamba", "int8", "dt_proj"), "rwkv-int8": ("rwkv", "int8", None),
+              "qwen2_moe-int4": ("qwen2_moe", "int4", "shared_expert_gate")}
+
+
+@pytest.mark.parametrize("case", KEPT_DENSE)
+def test_layers_a_scheme_cannot_take_stay_dense_and_the_model_runs_as_its_dequantised_weights(case, make_source,
+                                                                                               make_layout):
+    arch, scheme, dense = KEPT_DENSE[case]
+    source = make_source(arch, layers=LAYERS)
+    layout = make_layout(arch, layers=LAYERS, **SCHEMES[scheme])
+    expected = greedy(dequantised_reference(source, layout), ROWS, NEW_TOKENS, logits=True)
+    with zerolite.load(layout, device="cpu", offload="nvme", cpu_memory=0, show_progress=False) as lm:
+        kinds = {name.rpartition(".")[2]: isinstance(m, QuantizedLinear) for name, m in lm.model.named_modules()}
+        assert any(kinds.values()) and (dense is None or kinds[dense] is False), kinds
+        assert_close_to_reference(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True))
+
+
+def test_rwkv_past_rescale_every_refuses_quantized_weights_before_writing(make_source, tmp_path):
+    """Past rescale_every layers RWKV divides weights by 2 and more in place at its first forward,
+    which an int8 weight cannot take: said in one line, before anything is written."""
+    source = make_source("rwkv", layers=LAYERS, rescale_every=2)
+    with pytest.raises(ZeroliteError, match="rwkv divides the weights of its layers past the first 2 .* leave out `weights`"):
+        convert(source, tmp_path / "out", weights="int8", show_progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_converted_layout_is_reused_only_for_the_same_weights(make_source, tmp_path):
     source = make_source("llama", layers=LAYERS)
     first = convert(source, tmp_path / "layout", show_progress=False)

@@ -1,4 +1,5 @@
-"""transformers glue that every room shares: quiet logging, a layout's tokenizer, a mixture's experts kept as built."""
+"""transformers glue that every room shares: quiet logging, a layout's tokenizer, a mixture's experts
+kept as built, RWKV's rescaling by one skipped."""
 
 from __future__ import annotations
 
@@ -50,3 +51,21 @@ def keep_experts_implementation(model) -> None:
     Mixtral, which no budget counts, and tokens that may differ from the server's, which calls
     forward and keeps grouped_mm. The model keeps the implementation it was built with."""
     model._optimize_model_for_decode = contextlib.nullcontext
+
+
+def rescales_weights(config) -> bool:
+    """Whether the model divides some layer's weights in place at its first forward in eval mode:
+    RWKV's _rescale_layers divides block i's output and value weights by 2 ** (i // rescale_every),
+    by more than 1 only where there are more blocks than rescale_every."""
+    every = getattr(config, "rescale_every", 0) or 0
+    return config.model_type == "rwkv" and every > 0 and config.num_hidden_layers > every
+
+
+def skip_rescaling_by_one(model, config) -> None:
+    """Where every divisor would be 1, RWKV's first forward is told its layers are rescaled already:
+    dividing an int8 or int4 weight in place, even by 1, is a dtype error (and a streamed layer's
+    weights are bound afresh at each pass anyway)."""
+    if config.model_type == "rwkv" and not rescales_weights(config):
+        for module in model.modules():
+            if hasattr(module, "layers_are_rescaled"):
+                module.layers_are_rescaled = True

@@ -33,6 +33,7 @@ from zerolite.convert.checkpoint import (
 from zerolite.convert.paths import default_layout_path
 from zerolite.convert.read_ahead import read_ahead
 from zerolite.errors import ZeroliteError
+from zerolite.hf import rescales_weights
 from zerolite.io.engine import aligned_empty
 from zerolite.layout.blocks import (
     BlockPartition,
@@ -79,9 +80,12 @@ def convert(
     torch_dtype = choose_dtype(dtype, config)
     meta_model = build_meta_model(config, torch_dtype)
     blocks = partition(meta_model)
-    targets = quantizable_linears(meta_model, blocks.layers_path) if scheme else {}
+    targets = scheme.fitting(quantizable_linears(meta_model, blocks.layers_path)) if scheme else {}
     if scheme:
-        scheme.check(targets)
+        if rescales_weights(config):
+            raise ZeroliteError(
+                f"{config.model_type} divides the weights of its layers past the first {config.rescale_every} in place at "
+                "its first forward (its rescale_every), which int8 and int4 weights cannot take: leave out `weights`")
     planned = plan_extents(meta_model, blocks, scheme, targets)
     source = {"model": source_name(model), "fingerprint": checkpoint.fingerprint()}
     dtype_name = str(torch_dtype).removeprefix("torch.")

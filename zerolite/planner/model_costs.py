@@ -18,7 +18,6 @@ import torch
 from transformers import PretrainedConfig
 
 from zerolite.convert.checkpoint import build_meta_model
-from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.blocks import module_path, partition, stored_tensors
 from zerolite.quant.quantize import WeightScheme, quantizable_linears
@@ -80,11 +79,7 @@ class ModelCosts:
                                          sum(layer[n].nbytes for n in expert_names) // max(experts, 1))}
         for weights in ("int8", "int4"):
             scheme = WeightScheme.parse(weights)
-            try:
-                scheme.check(layer_linears)
-            except ZeroliteError:
-                continue
-            stored = scheme.meta_tensors(layer, targets)
+            stored = scheme.meta_tensors(layer, scheme.fitting(targets))
             formats[weights] = FormatCosts(aligned(sum(t.nbytes for t in stored.values())), always,
                                            formats["stored"].expert_bytes)
         heads = int(getattr(text, "num_attention_heads", None) or 0)  # none in a state-space model (Mamba, RWKV)

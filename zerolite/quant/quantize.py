@@ -2,12 +2,13 @@
 
     scheme = WeightScheme.parse("int4", group_size=64)      # None: the layout's dtype, as before
     targets = quantizable_linears(meta_model, "model.layers")   # {module path: LinearShape}
-    scheme.check(targets)                                   # every width fits the scheme, or one clear error
+    targets = scheme.fitting(targets)                       # less those whose widths the scheme cannot store
     tensors = scheme.quantize_block(tensors, targets)       # P.weight -> P.weight + its companion
 
 Every Linear inside the decoder layers (and transformers' Conv1D, GPT-2's Linear with its weight
-stored transposed) is quantized; embeddings, norms, biases and the head keep the layout's dtype.
-The quantized weight is always stored [out, in], whatever the module stored, so one module per
+stored transposed) is quantized, but for one whose weight the model's code multiplies by itself and
+(int4) one of an output width the kernel cannot pack; embeddings, norms, biases and the head keep
+the layout's dtype. The quantized weight is always stored [out, in], whatever the module stored, so one module per
 scheme (zerolite.quant.linear) runs them all.
 
 - int8: symmetric per output channel, weight = q * scale with q in [-127, 127]; the companion
@@ -26,6 +27,8 @@ scheme (zerolite.quant.linear) runs them all.
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -101,15 +104,14 @@ class WeightScheme:
         """The suffix of the tensor stored beside each quantized P.weight."""
         return SCALE_SUFFIX if self.name == "int8" else SCALE_ZERO_SUFFIX
 
-    def check(self, targets: dict[str, LinearShape]) -> None:
-        """One clear error for the first layer whose widths the scheme cannot store (any input
-        width can: a partial last group is padded)."""
+    def fitting(self, targets: dict[str, LinearShape]) -> dict[str, LinearShape]:
+        """The targets this scheme can store. int4's kernel packs output rows in blocks of
+        ROW_MULTIPLE, so a layer of another output width (a router's gate of 1 or 8 rows, as
+        Qwen2-MoE's shared_expert_gate and JetMoe's router; a tiny mamba's x_proj) keeps the layout's
+        dtype: it weighs next to nothing, and refusing int4 for it refused the whole model."""
         if self.name != "int4":
-            return
-        for path, shape in targets.items():
-            if shape.out_features % ROW_MULTIPLE:
-                raise ZeroliteError(f"int4 needs output widths that are multiples of {ROW_MULTIPLE}, and {path} has "
-                                    f"{shape.out_features}: use `weights` int8")
+            return targets
+        return {path: shape for path, shape in targets.items() if shape.out_features % ROW_MULTIPLE == 0}
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """{suffix: tensor}: "" for the quantized weight, the companion for its scales. A few
@@ -255,13 +257,40 @@ def near_a_level() -> torch.Tensor:
 
 
 def quantizable_linears(model: nn.Module, layers_path: str) -> dict[str, LinearShape]:
-    """The Linear and Conv1D modules inside the decoder layers, by module path."""
+    """The Linear and Conv1D modules inside the decoder layers, by module path, less those whose
+    weight the model's own code multiplies by (mamba's dt_proj: `self.dt_proj.weight @ x`), which
+    an int8 or int4 weight cannot be: they keep the layout's dtype."""
     layers = model.get_submodule(layers_path)
     found = {}
     for path, module in layers.named_modules():
-        if (shape := linear_shape(module)) is not None:
+        if (shape := linear_shape(module)) is None:
+            continue
+        parent, _, leaf = path.rpartition(".")
+        if leaf not in weights_multiplied_directly(type(layers.get_submodule(parent))):
             found[f"{layers_path}.{path}"] = shape
     return found
+
+
+# `self.NAME.weight @ ...`, `... @ self.NAME.weight`, or the weight passed to a matmul: a module's
+# weight used as a matrix by its owner's code rather than through the module's forward.
+DIRECT_MATMUL = re.compile(r"self\.(\w+)\.weight\s*@|@\s*self\.(\w+)\.weight\b"
+                           r"|(?:matmul|linear|mm)\([^()]*self\.(\w+)\.weight\b")
+
+
+@functools.cache
+def weights_multiplied_directly(owner: type) -> frozenset[str]:
+    """The names of owner's submodules whose weight owner's source multiplies by itself (read from
+    the source of its class and its bases; none where that source cannot be read)."""
+    names = set()
+    for cls in owner.__mro__:
+        if cls.__module__.startswith("torch."):
+            break
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        names.update(name for match in DIRECT_MATMUL.findall(source) for name in match if name)
+    return frozenset(names)
 
 
 def linear_shape(module: nn.Module) -> LinearShape | None:

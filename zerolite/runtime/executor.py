@@ -26,7 +26,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from zerolite.convert.checkpoint import build_meta_model
 from zerolite.dist.node_copy import NodeCopy
 from zerolite.dist.world import SINGLE, World
-from zerolite.hf import keep_experts_implementation
+from zerolite.hf import keep_experts_implementation, skip_rescaling_by_one
 from zerolite.io.device import Device
 from zerolite.io.engine import IoEngine, aligned_empty
 from zerolite.layout.blocks import module_path
@@ -227,6 +227,7 @@ def build_model(layout: Layout, device: torch.device) -> nn.Module:
     if model.generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
         model.generation_config.cache_implementation = None
     keep_experts_implementation(model)
+    skip_rescaling_by_one(model, config)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.register_forward_pre_hook(contiguous_input)
