@@ -167,3 +167,43 @@ def test_the_fill_rate_is_every_loads_bytes_over_its_seconds(machine):
     measurements.record_fill(1_000_000_000, 0.3)
     measurements.record_fill(20_000_000_000, 22.0)
     assert measurements.fill_gbps() == pytest.approx(21 / 22.3)
+
+
+# Each part of the planner, made to fail (where it is looked up when the plan runs): zerolite plan says
+# one line naming it, generate runs on its defaults saying the same, neither shows an internal error.
+# The layer probe alone has an estimate to fall back on (the matmul rates: test_compute_probe).
+PLANNER_PARTS = {
+    "read the model's sizes from its config": [("zerolite.planner.model_costs.ModelCosts.from_config", classmethod)],
+    "measure the disk": [("zerolite.planner.machine.measure_disk", None), ("zerolite.planner.for_job.measure_disk", None)],
+    "time this machine's matmuls": [("zerolite.planner.hardware.probe_compute", None)],
+    "weigh the plans": [("zerolite.planner.search.predict", None)],  # the cost model
+}
+
+
+@pytest.mark.parametrize("part", PLANNER_PARTS)
+def test_a_part_of_the_planner_that_fails_is_one_line_for_plan_and_none_for_generate(part, tmp_path, capsys, monkeypatch,
+                                                                                      make_source):
+    from cli_runner import assert_one_line_error
+
+    monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))  # nothing recorded: every part runs
+    if part != "time this machine's matmuls":  # the real probe takes seconds
+        measurements.record(measurements.compute_key(CpuDevice(), torch.float32),
+                            {w: {str(r): 1e-9 for r in ROWS} for w in ("stored", "int8", "int4")}, "compute")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected\nand a second line")
+
+    for target, wrap in PLANNER_PARTS[part]:
+        monkeypatch.setattr(target, wrap(fails) if wrap else fails)
+    source = make_source("llama")
+    planned = run(capsys, monkeypatch, "plan", "--model", source, "--device", "cpu", "--json")
+    assert_one_line_error(planned, f"the planner could not {part}", "RuntimeError: injected and a second line")
+    if part == "measure the disk":  # profile --disk runs the same measure alone
+        assert_one_line_error(run(capsys, monkeypatch, "profile", "--disk", source), "could not measure the disk")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 0, "input_ids": [5, 17, 33]}\n')
+    generated = run(capsys, monkeypatch, "generate", "--model", source, "--device", "cpu", "--input", prompts,
+                    "--output", tmp_path / "out.jsonl", "--max-new-tokens", "2")
+    assert generated.code == 0 and "Traceback" not in generated.stderr, generated.stderr
+    none = [line for line in generated.stderr.splitlines() if line.startswith("plan: none for this job")]
+    assert len(none) == 1 and f"(the planner could not {part}" in none[0], generated.stderr

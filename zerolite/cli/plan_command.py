@@ -51,6 +51,7 @@ def plan(
     (or, with --latency, the least time per prompt), and predict prefill, decode step and what limits it.
     Works from the model's config alone; any choice given as a flag is pinned, as generate takes it."""
     from zerolite.planner.cost import Job
+    from zerolite.planner.faults import planner_part
     from zerolite.planner.for_job import model_and_machine
     from zerolite.planner.hardware import parse_bandwidth, parse_flops
     from zerolite.planner.model_costs import WEIGHT_FORMATS
@@ -68,7 +69,8 @@ def plan(
         "host_ram": parse_size(host_ram, "--host-ram") if host_ram else None,
         "gpu_ram": parse_size(gpu_ram, "--gpu-ram") if gpu_ram else None,
     }
-    source = ModelSource.resolve(model, dtype, path)
+    with planner_part("read the model's config"):
+        source = ModelSource.resolve(model, dtype, path)
     layout_weights = source.weights
     if layout_weights is not None and weights not in (None, layout_weights):
         raise ZeroliteError(f"{model} is a layout of {layout_weights} weights: leave out --weights, or plan its "
@@ -85,7 +87,8 @@ def plan(
                 gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
                 prefetch_depth=prefetch_depth, offload=offload)
     job = Job(prompt_tokens, new_tokens, prompts)
-    choice = search(costs, hardware, job, pins, latency=latency or pins.batch_size == 1)
+    with planner_part("weigh the plans"):
+        choice = search(costs, hardware, job, pins, latency=latency or pins.batch_size == 1)
     best = choice.best
     command = generate_command(model, best, hardware.gpu)
     if as_json:

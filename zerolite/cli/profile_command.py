@@ -37,9 +37,11 @@ def profile(
         if target is not None and not target.parent.is_dir():
             raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
     if disk is not None:
+        from zerolite.planner.faults import planner_part
         from zerolite.planner.machine import measure_disk
 
-        figures = measure_disk(disk)
+        with planner_part(f"measure the disk at {disk}"):
+            figures = measure_disk(disk)
         measurements.record_disk(disk, figures["read_gbps"], figures["bytes"])
         if as_json:
             typer.echo(json.dumps(figures))

@@ -13,6 +13,7 @@ its default (what is free), which holds at least the layers the search put there
 from __future__ import annotations
 
 from zerolite.planner.cost import Job
+from zerolite.planner.faults import planner_part
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.machine import measure_disk
 from zerolite.planner.model_costs import ModelCosts
@@ -32,14 +33,18 @@ def choose_for_job(load: dict, prompts: int, prompt_tokens: int, new_tokens: int
                 kv_offload=load.get("kv_offload") or 0.0,
                 cpu_memory=parse_size(cpu_memory, "`cpu_memory`") if isinstance(cpu_memory, str) else cpu_memory,
                 prefetch_depth=load.get("prefetch_depth"), offload=load.get("offload"))
-    return search(costs, hardware, Job(prompt_tokens, new_tokens, prompts), pins)
+    with planner_part("weigh the plans"):
+        return search(costs, hardware, Job(prompt_tokens, new_tokens, prompts), pins)
 
 
 def model_and_machine(source: ModelSource, device: str, **here) -> tuple[ModelCosts, Hardware]:
     """The model's costs from its config, and this machine's figures for it (as recorded, else
     measured now: the disk through measure_disk unless here says otherwise, compute probed with the
-    model's own layer); here: Hardware.here's other keywords."""
-    costs = ModelCosts.from_config(source.config, source.dtype, source.name)
-    hardware = Hardware.here(device, source.disk_target, source.dtype, **{"measure_disk": measure_disk, **here},
-                             model=(source.config, costs.formats["stored"].layer_bytes))
+    model's own layer); here: Hardware.here's other keywords. Whatever fails is one line naming the
+    part (zerolite.planner.faults)."""
+    with planner_part("read the model's sizes from its config"):
+        costs = ModelCosts.from_config(source.config, source.dtype, source.name)
+    with planner_part("measure this machine"):
+        hardware = Hardware.here(device, source.disk_target, source.dtype, **{"measure_disk": measure_disk, **here},
+                                 model=(source.config, costs.formats["stored"].layer_bytes))
     return costs, hardware

@@ -22,6 +22,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.device import resolve
 from zerolite.planner import measurements
 from zerolite.planner.compute_probe import PROBE_LAYER_MAX_BYTES, probe_compute, probe_layer
+from zerolite.planner.faults import planner_part
 from zerolite.planner.machine import measure_host_to_device
 from zerolite.progress import measuring, stderr
 
@@ -79,7 +80,7 @@ class Hardware:
         if disk_gbps is not None:
             sources["disk_gbps"] = "given"
         elif disk is None and measure_disk is not None:
-            with measuring(f"disk: reading {disk_target}"):
+            with planner_part(f"measure the disk at {disk_target}"), measuring(f"disk: reading {disk_target}"):
                 figures = measure_disk(disk_target)
             disk = figures["read_gbps"]
             measurements.record_disk(disk_target, disk, figures["bytes"])
@@ -92,13 +93,13 @@ class Hardware:
         sources["fill_gbps"] = "recorded: every load's bytes over its seconds" if fill is not None else "assumed: the disk's rate"
         h2d = measurements.value("h2d_gbps") if gpu else None
         if gpu and h2d is None:
-            with measuring("copies from host memory to the GPU"):
+            with planner_part("time copies from host memory to the GPU"), measuring("copies from host memory to the GPU"):
                 h2d = measure_host_to_device(target)
             measurements.record("h2d_gbps", h2d)
         key = measurements.compute_key(target, dtype)
         compute = measurements.value(key, "compute") if probe else None
         if compute is None and probe:
-            with measuring("compute: matmul rates of each weight format"):
+            with planner_part("time this machine's matmuls"), measuring("compute: matmul rates of each weight format"):
                 compute = probe_compute(target, dtype)
             measurements.record(key, compute, "compute")
             sources["compute"] = "measured now"
