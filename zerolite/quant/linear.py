@@ -10,7 +10,12 @@ faster than a matmul's, so from a threshold of rows on (a prefill) the weight is
 for the call into the activations' dtype and an ordinary matmul runs. The int4 kernel is fast only
 with bf16 activations (fp32 and fp16 take a scalar path, far slower than a dense matmul), so other dtypes
 always dequantise. Where the device has memory of its own (a GPU), the quantized bytes are what
-crosses the link (about a half or a quarter of bf16's), and they are always dequantised there.
+crosses the link (about a half or a quarter of bf16's). There int4 multiplies through torch's fused
+kernel (zerolite.quant.gpu_int4) below FUSED_INT4_ROWS rows, its packed form made once per slot fill
+(the first call after the weight is bound) and dropped when the block is unbound; from that many
+rows on, and for int8 always (torch's fused int8 kernel lost at every row count on an H100: 2.2 ms at
+one row against 1.4 to dequantise), the weight is dequantised into one buffer the model's layers
+share (Scratch), in as few passes over it as the format allows, and an ordinary matmul runs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch import nn
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
 from zerolite.layout.manifest import DTYPES, Manifest, TensorEntry
+from zerolite.quant.gpu_int4 import Int4Kernel, fits, inner_k_tiles, int4_kernel, paired_columns
 from zerolite.quant.int4_packing import Int4Packing, cpu_packing, unpack_int4
 from zerolite.quant.quantize import (
     SCALE_SUFFIX,
@@ -37,16 +43,39 @@ from zerolite.quant.quantize import (
 # two cross depends on the CPU; these were set from the CPUs measured (the README's figures).
 DEQUANTIZE_ROWS = 64
 INT4_DEQUANTIZE_ROWS = 512
+# On a GPU, below these many rows int4 multiplies through the fused kernel. An H100, 8192 x 28672:
+# fused 0.27 ms at 16 rows, 1.02 at 64, 4.1 at 256; dequantising with Scratch reads and writes
+# about 11 bytes a weight (some 1 ms at the H100's bandwidth, not yet measured) plus bf16's 0.17.
+FUSED_INT4_ROWS = 64
+
+
+class Scratch:
+    """The buffer a GPU's quantized layers dequantise into, one after another on the compute
+    stream (each layer's matmul has read it before the next layer writes it): the largest weight
+    once in the activations' dtype, taken once and kept, where a fresh allocation per call would
+    churn the allocator. Counted in dequantize_workspace."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        if self._buffer is None or self._buffer.numel() < nbytes or self._buffer.device != device:
+            self._buffer = None  # the old one goes before the larger one is taken
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._buffer[:nbytes].view(dtype).view(shape)
 
 
 class QuantizedLinear(nn.Module):
     """What the int8 and int4 modules share: the bias, and rows in and out."""
 
-    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dequantize: bool):
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dequantize: bool,
+                 scratch: Scratch | None = None):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.dequantize = dequantize
+        self.scratch = scratch  # where a GPU dequantises the weight for a call (None: a fresh tensor)
         self.bias = bias
         self.dense: torch.Tensor | None = None  # the weight dequantised once, for a layer resident on a GPU
 
@@ -65,20 +94,43 @@ class QuantizedLinear(nn.Module):
         """The [out, in] weight in dtype."""
         raise NotImplementedError
 
+    def unbound(self) -> None:
+        """The block's tensors were taken out (zerolite.runtime.binding): what was made from them goes."""
+
+    def _buffer(self, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        if self.scratch is None:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return self.scratch.take(shape, like.dtype, like.device)
+
 
 class Int8Linear(QuantizedLinear):
     def __init__(self, out_features: int, in_features: int, scale_dtype: torch.dtype, bias: torch.Tensor | None,
-                 dequantize: bool):
-        super().__init__(out_features, in_features, bias, dequantize)
+                 dequantize: bool, scratch: Scratch | None = None):
+        super().__init__(out_features, in_features, bias, dequantize, scratch)
         # Meta placeholders: the executor binds the stored int8 weight and its scales over them.
         self.register_buffer("weight", torch.empty((out_features, in_features), dtype=torch.int8, device="meta"))
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=scale_dtype, device="meta"))
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.dequantize or rows.shape[0] >= DEQUANTIZE_ROWS:
+        if self.dequantize:
+            return self.widened_multiply(rows)
+        if rows.shape[0] >= DEQUANTIZE_ROWS:
             return F.linear(rows, self.dequantized(rows.dtype))
         scale = getattr(self, "weight" + SCALE_SUFFIX).to(rows.dtype)
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight, scale)
+
+    def widened_multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        """A GPU's path: the int8 weight widened once into the scratch buffer (its integers are
+        exact in every float dtype) and multiplied, each output column then scaled by its row's
+        scale: one pass over the weight besides the matmul's, where scaling the weight takes two.
+        In fp16 the unscaled sums (up to 127 times the weights') could overflow, so there the
+        widened weight is scaled in place."""
+        scale = getattr(self, "weight" + SCALE_SUFFIX).to(rows.dtype)
+        weight = self._buffer(tuple(self.weight.shape), rows)
+        weight.copy_(self.weight)
+        if rows.dtype == torch.float16:
+            return F.linear(rows, weight.mul_(scale[:, None]))
+        return F.linear(rows, weight).mul_(scale)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype) * getattr(self, "weight" + SCALE_SUFFIX).to(dtype)[:, None]
@@ -89,22 +141,47 @@ class Int8Linear(QuantizedLinear):
 
 class Int4Linear(QuantizedLinear):
     def __init__(self, out_features: int, in_features: int, scheme: WeightScheme, scale_dtype: torch.dtype,
-                 bias: torch.Tensor | None, dequantize: bool):
-        super().__init__(out_features, in_features, bias, dequantize)
+                 bias: torch.Tensor | None, dequantize: bool, scratch: Scratch | None = None,
+                 kernel: Int4Kernel | None = None):
+        """kernel: a GPU's fused int4 kernel (zerolite.quant.gpu_int4), where it has one."""
+        super().__init__(out_features, in_features, bias, dequantize, scratch)
         self.group_size = scheme.group_size
         self.packing = scheme.packing
         self.stored_in = whole_groups(in_features, self.group_size)  # a partial last group is stored padded
         self.register_buffer("weight", torch.empty((out_features, self.stored_in // 2), dtype=torch.uint8, device="meta"))
         self.register_buffer("weight" + SCALE_ZERO_SUFFIX, torch.empty(
             (self.stored_in // self.group_size, out_features, 2), dtype=scale_dtype, device="meta"))
+        self.kernel = kernel if kernel is not None and fits(out_features, self.stored_in, self.group_size) else None
+        self._fused: tuple[torch.Tensor, torch.Tensor] | None = None  # (the weight bound, the kernel's packing of it)
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
-        if self.dequantize or rows.dtype != torch.bfloat16 or rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
+        if self.dequantize:
+            if self.kernel is not None and rows.dtype == torch.bfloat16 and rows.shape[0] < FUSED_INT4_ROWS:
+                return self.kernel.mm(self.padded(rows), self.fused_weight(), self.group_size, scale_zero.to(rows.dtype))
+            weight = self._buffer((self.out_features, self.stored_in), rows)
+            dequantize_int4_into(weight, self.weight, scale_zero, self.group_size, self.packing)
+            return F.linear(self.padded(rows), weight)
+        if rows.dtype != torch.bfloat16 or rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
             return F.linear(rows, self.dequantized(rows.dtype))
-        # Zeros against the padding columns: whatever those hold, they add nothing.
-        rows = F.pad(rows, (0, self.stored_in - self.in_features)) if self.stored_in > self.in_features else rows
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, scale_zero.to(rows.dtype))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(self.padded(rows), self.weight, self.group_size,
+                                                          scale_zero.to(rows.dtype))
+
+    def padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows with zeros against the weight's padding columns: whatever those hold, they add nothing."""
+        return F.pad(rows, (0, self.stored_in - self.in_features)) if self.stored_in > self.in_features else rows
+
+    def fused_weight(self) -> torch.Tensor:
+        """The fused kernel's packing of the weight bound now, made at its first call (on the
+        device, from the nibbles as the slot holds them) and kept until the block is unbound."""
+        if self._fused is None or self._fused[0] is not self.weight:
+            q = unpack_int4(self.weight, self.out_features, self.stored_in, self.packing)
+            self._fused = None  # the last block's packing goes before this one's is made
+            self._fused = (self.weight, self.kernel.pack(paired_columns(q), inner_k_tiles(self.stored_in)))
+        return self._fused[1]
+
+    def unbound(self) -> None:
+        self._fused = None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
@@ -124,6 +201,40 @@ def dequantize_int4(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: 
     return weight.reshape(out_features, groups * group_size)
 
 
+def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
+                         packing: Int4Packing) -> None:
+    """dequantize_int4 in fewer passes, into out ([out, groups * group_size], the activations'
+    dtype): each nibble widened straight into its place in out, then q * scale + (zero - 8 *
+    scale) in one pass over it. About 11 bytes of memory traffic a weight with the matmul's read
+    (dequantize_int4's temporaries: over 20)."""
+    rows, cols = out.shape
+    flat = packed.reshape(-1)
+    full = rows // packing.block_rows * packing.block_rows
+    if full:
+        blocks = flat[: full * cols // 2].reshape(full // packing.block_rows, cols, packing.block_rows // 2)
+        widen_nibbles(blocks, out[:full].view(full // packing.block_rows, packing.block_rows, cols), packing.interleave)
+    if rows > full:
+        tail = flat[full * cols // 2:].reshape(1, cols, (rows - full) // 2)
+        widen_nibbles(tail, out[full:].view(1, rows - full, cols), "pairs")
+    scale, zero = scale_zero.transpose(0, 1).float().unbind(-1)  # [out, groups] each
+    grouped = out.view(rows, cols // group_size, group_size)
+    torch.addcmul((zero - 8 * scale).to(out.dtype)[..., None], grouped, scale.to(out.dtype)[..., None], out=grouped)
+
+
+def widen_nibbles(packed: torch.Tensor, out: torch.Tensor, interleave: str) -> None:
+    """packed: uint8 [blocks, cols, block / 2], a block's rows two to a byte; out: [blocks, block,
+    cols], each nibble's value written to its row (zerolite.quant.int4_packing's order)."""
+    blocks, block, cols = out.shape
+    low, high = (packed & 15).transpose(1, 2), (packed >> 4).transpose(1, 2)
+    if interleave == "halves":
+        out[:, : block // 2].copy_(low)
+        out[:, block // 2:].copy_(high)
+    else:
+        pairs = out.view(blocks, block // 2, 2, cols)
+        pairs[:, :, 0].copy_(low)
+        pairs[:, :, 1].copy_(high)
+
+
 def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
     """Replaces every module whose weight the layout stores quantized (it has a companion tensor)."""
     if manifest.quantization is None:
@@ -132,6 +243,8 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
     scale_dtype = DTYPES[manifest.dtype]
     if scheme.name == "int4" and not device.separate_memory and scale_dtype == torch.bfloat16:
         check_packing(scheme)
+    scratch = Scratch() if device.separate_memory else None
+    kernel = int4_kernel(device) if scheme.name == "int4" and device.separate_memory else None
     for block in manifest.blocks:
         for weight in quantized_weights(manifest, block.name):
             parent_path, _, leaf = weight.name.removesuffix(".weight").rpartition(".")
@@ -140,10 +253,11 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
             bias = getattr(original, "bias", None)
             shape = linear_shape(original)
             if scheme.name == "int8":
-                module = Int8Linear(shape.out_features, shape.in_features, scale_dtype, bias, device.separate_memory)
+                module = Int8Linear(shape.out_features, shape.in_features, scale_dtype, bias, device.separate_memory,
+                                    scratch)
             else:
                 module = Int4Linear(shape.out_features, shape.in_features, scheme, scale_dtype, bias,
-                                    device.separate_memory)
+                                    device.separate_memory, scratch, kernel)
             setattr(parent, leaf, module)
 
 
@@ -189,15 +303,21 @@ def dense_bytes(manifest: Manifest, name: str) -> int:
 
 
 def dequantize_workspace(manifest: Manifest) -> int:
-    """The most device memory a streamed quantized layer's call takes for dequantising on a GPU:
-    one weight at a time, in the layout's dtype, with the temporaries its dequantisation makes
-    (int8: the widened weight and the scaled one; int4: the unpacked codes, then two widened)."""
+    """The most device memory streamed quantized layers take for their matmuls on a GPU: the
+    scratch buffer (the largest weight in the layout's dtype) with the temporaries of one weight's
+    dequantisation (int8: none past the scratch; int4: its nibbles, a byte a weight) or of its
+    packing for the fused kernel (the unpacked codes and their pairs, under 2 + itemsize bytes a
+    weight), counted as 1 + 2 * itemsize bytes a weight for int4 and 2 * itemsize for int8; and
+    for int4 the fused kernel's packings a layer keeps while it runs, as large as its weights."""
     if manifest.quantization is None:
         return 0
     itemsize = DTYPES[manifest.dtype].itemsize
-    per_weight = 1 + 2 * itemsize if manifest.quantization["weights"] == "int4" else 2 * itemsize
+    int4 = manifest.quantization["weights"] == "int4"
+    per_weight = 1 + 2 * itemsize if int4 else 2 * itemsize
     counts = [weight_count(manifest, tensor) for block in manifest.blocks for tensor in quantized_weights(manifest, block.name)]
-    return max(counts, default=0) * per_weight
+    packings = max((sum(t.nbytes for t in quantized_weights(manifest, block.name)) for block in manifest.blocks),
+                   default=0) if int4 else 0
+    return max(counts, default=0) * per_weight + packings
 
 
 def check_packing(scheme: WeightScheme) -> None:

@@ -3,7 +3,9 @@
 The model is built with every parameter on the meta device. Binding swaps a block's meta
 parameters (and stored buffers) for views of the bytes in a slot; unbinding swaps the meta ones
 back, so a block that ran without its weights bound fails loudly instead of using stale bytes.
-A swap is a dict assignment per tensor: a few microseconds for a whole decoder layer.
+A swap is a dict assignment per tensor: a few microseconds for a whole decoder layer. A module that
+keeps something made from its bound tensors (a GPU's int4 layer, the fused kernel's packing of its
+weight: zerolite.quant.linear) has an unbound() method, called as they are taken out.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ class BlockBinding:
         names += [(alias, target) for alias, target in aliases.items() if target in stored]
         # (the module's parameter or buffer dict, attribute, stored tensor name, meta placeholder)
         self._targets: list[tuple[dict, str, str, torch.Tensor]] = []
+        unbound = {}
         for attribute_path, stored_name in names:
             module_path, _, leaf = attribute_path.rpartition(".")
             module = model.get_submodule(module_path)
             home = module._parameters if leaf in module._parameters else module._buffers
             self._targets.append((home, leaf, stored_name, home[leaf]))
+            if callable(getattr(module, "unbound", None)):
+                unbound[id(module)] = module.unbound
+        self._unbound = list(unbound.values())
 
     def bind(self, block_bytes: torch.Tensor) -> None:
         """Makes the module use the tensors laid out in block_bytes (no copy)."""
@@ -38,3 +44,5 @@ class BlockBinding:
     def unbind(self) -> None:
         for home, leaf, _, placeholder in self._targets:
             home[leaf] = placeholder
+        for unbound in self._unbound:
+            unbound()
