@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig
 
 import zerolite
-from timed_device import H100, H2D, Rates, TimedDevice
+from timed_device import H100, H2D, Rates, TimedDevice, Wait
 from zerolite.layout.folder import Layout
 from zerolite.layout.blocks import module_path
 from zerolite.planner.cost import Candidate, Job, predict
@@ -36,6 +36,8 @@ class Run:
     step_s: float        # a decode step, the median over the steady ones
     link_busy: float     # the share of those steps the host-to-device link was copying
     steps: list[float]
+    stalls: list[Wait]   # the host's waits on the device (not the disk's) that blocked it inside those steps' layers
+    device: TimedDevice
 
 
 def run_timed(layout, rates: Rates = H100, rows: int = 1, kv_gb_per_layer: float = 0.0, sabotage=None, **policy) -> Run:
@@ -53,12 +55,16 @@ def run_timed(layout, rates: Rates = H100, rows: int = 1, kv_gb_per_layer: float
             if executor.kv_streams is not None:
                 kv_tiny = kv_tiny_bytes(lm.model.config) * len(PROMPT)
                 device.scale[executor.kv_streams[0].name] = kv_gb_per_layer * 1e9 / kv_tiny
-            ends = []
+            ends, layers_from, layers_to = [], [], []
             hooks = [lm.model.get_submodule(module_path(manifest.layers_path, f"layers.{i}")).register_forward_pre_hook(
                 lambda *_: device.kernel(flops=2 * rows * LAYER_WEIGHTS, nbytes=2 * LAYER_WEIGHTS)) for i in range(LAYERS)]
             hooks.append(lm.model.lm_head.register_forward_pre_hook(
                 lambda *_: device.kernel(flops=2 * rows * HEAD_WEIGHTS, nbytes=2 * HEAD_WEIGHTS)))
             hooks.append(lm.model.register_forward_hook(lambda *_: ends.append(device.compute_end())))
+            # The host's time from before the executor's turn for the first layer to after its turn for the last
+            first, last = (lm.model.get_submodule(module_path(manifest.layers_path, f"layers.{i}")) for i in (0, LAYERS - 1))
+            hooks.append(first.register_forward_pre_hook(lambda *_: layers_from.append(device.now), prepend=True))
+            hooks.append(last.register_forward_hook(lambda *_: layers_to.append(device.now)))
             if sabotage is not None:
                 sabotage(lm, device)
             lm.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
@@ -67,7 +73,8 @@ def run_timed(layout, rates: Rates = H100, rows: int = 1, kv_gb_per_layer: float
                 hook.remove()
     steps = [b - a for a, b in zip(ends, ends[1:])][1:]  # decode steps after the first (the ring's steady state)
     start, end = ends[2], ends[-1]
-    return Run(sorted(steps)[len(steps) // 2], device.busy(H2D, start, end), steps)
+    stalls = [wait for a, b in zip(layers_from[2:], layers_to[2:]) for wait in device.blocked(a, b)]
+    return Run(sorted(steps)[len(steps) // 2], device.busy(H2D, start, end), steps, stalls, device)
 
 
 def kv_tiny_bytes(config) -> int:
@@ -116,10 +123,13 @@ def policies(layout) -> dict[str, tuple[dict, Candidate, float]]:
 def test_every_layer_streamed_from_pinned_memory_keeps_the_link_busy(layout, rows):
     """The measured H100 kept its copy stream 0.991 busy over two decode steps of 8 streamed layers
     (docs/gpu/); on the timed device the ring does at batch 1 and at 4096 rows a step, where a
-    layer computes 10 ms beside its 32 ms copy."""
+    layer computes 10 ms beside its 32 ms copy. And the host never waits for the device between
+    a step's first layer and its last: it queues ahead (a wait there costs nothing yet at a ring
+    of two, whose copy ahead outlasts the compute, but it is a stall the moment compute is longer)."""
     policy, candidate, _ = policies(layout)["every layer from pinned memory"]
     run = run_timed(layout, rows=rows, **policy)
     assert run.link_busy >= 0.9, run
+    assert run.stalls == [], run
     assert run.step_s == pytest.approx(predicted(layout, H100, replace(candidate, batch_size=rows)), rel=0.1)
 
 
@@ -174,8 +184,24 @@ def copies_behind_compute(lm, device):
     slots.copy_stream = device.compute
 
 
-@pytest.mark.parametrize("sabotage", [synchronize_in_running, copies_behind_compute])
-def test_a_synchronisation_in_the_hot_path_or_a_copy_behind_compute_idles_the_link(layout, sabotage):
-    """What would stall a real GPU stalls the timed one: the busy share test above then fails."""
+def scalar_read_in_a_layer(lm, device):
+    """A hidden .item(): a layer checks its input on the host (a NaN check, say)."""
+    def check(module, args, kwargs):
+        (args[0] if args else kwargs["hidden_states"]).isnan().any().item()
+
+    layer = lm.model.get_submodule(module_path(lm.executor.layout.manifest.layers_path, "layers.3"))
+    layer.register_forward_pre_hook(check, with_kwargs=True)
+
+
+@pytest.mark.parametrize("sabotage, stall, idles", [(synchronize_in_running, "event", True),
+                                                    (copies_behind_compute, None, True),
+                                                    (scalar_read_in_a_layer, "scalar", False)])
+def test_a_synchronisation_in_the_hot_path_or_a_copy_behind_compute_stalls_the_step(layout, sabotage, stall, idles):
+    """What would stall a real GPU stalls the timed one, and the decode test above then fails: a
+    synchronize idles the link (a step of 349 ms against 257, 74% busy) and blocks the host;
+    copies behind compute idle it; a hidden .item() leaves it busy (at a ring of two the copy
+    queued ahead outlasts the compute the host waits for) but blocks the host inside the step."""
     policy, _, _ = policies(layout)["every layer from pinned memory"]
-    assert run_timed(layout, rows=4096, sabotage=sabotage, **policy).link_busy < 0.9
+    run = run_timed(layout, rows=4096, sabotage=sabotage, **policy)
+    assert (run.link_busy < 0.9) == idles, run
+    assert {wait.kind for wait in run.stalls} == ({stall} if stall else set()), run

@@ -13,7 +13,8 @@ Everything runs as on the plain simulated device (SimulatedDevice: real bytes, r
 checks); beside it, each piece of work is given a start and an end on one virtual clock, when it
 is queued, as the hardware would run it:
   - the host's time moves only when it waits: an event's or a stream's synchronize, a read from
-    disk waited for, or a scalar read off the device (.item(), a bool() of a device tensor)
+    disk waited for, or a scalar read off the device (.item(), a bool() of a device tensor); each
+    wait is kept in waits, with its kind and how long the host was blocked
   - a stream's work runs in the order queued, after the host queued it and after the events the
     stream was told to wait for
   - engines run one piece of work at a time, in the order it reached them: one copy engine for
@@ -59,6 +60,17 @@ H100 = Rates(h2d_gbps=53.3, d2h_gbps=53.3, disk_gbps=7.0, tflops=700.0, memory_g
 H2D, D2H, COMPUTE, DISK = "h2d", "d2h", "compute", "disk"
 
 
+@dataclass(frozen=True)
+class Wait:
+    kind: str        # "event" (a synchronize), "disk" (a read waited for), "scalar" (a read off the device)
+    at: float        # the host's time when it began to wait
+    until: float     # ... and when it went on (at, where what it waited for was done already)
+
+    @property
+    def blocked_s(self) -> float:
+        return self.until - self.at
+
+
 class TimedDevice(SimulatedDevice):
     def __init__(self, rates: Rates, seed: int = 0, memory_bytes: int = 8 << 30, reports_cuda: bool = True,
                  disk_scale: float = 1.0):
@@ -73,7 +85,7 @@ class TimedDevice(SimulatedDevice):
         self._engine_free = {H2D: 0.0, D2H: 0.0, COMPUTE: 0.0, DISK: 0.0}
         self.work: dict[str, list[tuple[float, float]]] = {H2D: [], D2H: [], COMPUTE: [], DISK: []}
         self._reads: dict[int, float] = {}               # engine ticket -> when its read ends
-        self.host_waits = 0                              # synchronisations and scalar reads
+        self.waits: list[Wait] = []                      # every time the host waited, in order
 
     # the clock
 
@@ -86,9 +98,13 @@ class TimedDevice(SimulatedDevice):
             self._engine_free[engine] = end
             self.work[engine].append((start, end))
 
-    def _wait_for(self, until: float) -> None:
-        self.host_waits += 1
+    def _wait_for(self, until: float, kind: str) -> None:
+        self.waits.append(Wait(kind, self.now, max(self.now, until)))
         self.now = max(self.now, until)
+
+    def blocked(self, start: float, end: float, kinds=("event", "scalar")) -> list[Wait]:
+        """The waits of these kinds that began in [start, end) and blocked the host."""
+        return [w for w in self.waits if w.kind in kinds and start <= w.at < end and w.blocked_s > 0]
 
     def kernel(self, flops: float = 0.0, nbytes: float = 0.0) -> None:
         """A kernel's modelled time on the compute stream: the slower of its FLOPs and its memory traffic."""
@@ -116,7 +132,7 @@ class TimedDevice(SimulatedDevice):
         super().wait_event(stream, event)
 
     def host_saw(self, event: SimulatedEvent) -> None:
-        self._wait_for(getattr(event, "at", 0.0))
+        self._wait_for(getattr(event, "at", 0.0), "event")
         super().host_saw(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimulatedStream) -> None:
@@ -150,7 +166,7 @@ class TimedDevice(SimulatedDevice):
 
         def timed_wait(engine, ticket, timeout_s=None):
             finished = wait(engine, ticket, timeout_s)
-            device._wait_for(device._reads.pop(ticket, 0.0))
+            device._wait_for(device._reads.pop(ticket, 0.0), "disk")
             return finished
 
         def timed_poll(engine, ticket):
@@ -176,5 +192,5 @@ class ScalarReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in SCALARS and not self.device._pinned(args[0]):
-            self.device._wait_for(self.device.compute_end())
+            self.device._wait_for(self.device.compute_end(), "scalar")
         return func(*args, **(kwargs or {}))
