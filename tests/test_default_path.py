@@ -112,6 +112,33 @@ def test_generate_equals_transformers(arch, way, make_source, prompts_file, caps
     assert [lines[i]["token_ids"] for i in range(len(PROMPTS))] == transformers_tokens(source, batch)
 
 
+# The other flags a user may add, each cheap on a tiny model: the run ends either with its tokens or
+# with one line saying what to change (--kv-offload refuses a model whose cache is a class of its
+# own), never with an internal error. Each pins what the planner would choose, so none times the
+# family's layer again (any fault of the planner's is one line: test_plan); int4 in bf16, where its
+# kernel runs; int8 converted into a --path of the test's own and streamed from there.
+OTHER_FLAGS = {
+    "int8 from a path": ["--weights", "int8", "--cpu-memory", "0", "--prefetch-depth", "2", "--path"],
+    "int4": ["--weights", "int4", "--dtype", "bf16", "--offload", "cpu"],
+    "kv offload": ["--kv-offload", "0.5", "--offload", "cpu"],
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_other_flags_end_in_tokens_or_one_line(arch, make_source, prompts_file, capsys, monkeypatch, tmp_path):
+    source = make_source(arch)
+    for way, flags in OTHER_FLAGS.items():
+        output = tmp_path / f"{way}.jsonl"
+        result = zerolite_cli(capsys, monkeypatch, "generate", "--model", source, "--input", prompts_file, "--output",
+                              output, "--max-new-tokens", 2, *flags, *([tmp_path] if flags[-1] == "--path" else []))
+        assert "Traceback" not in result.stderr, f"{way}:\n{result.stderr}"
+        if result.code == 0:
+            assert len(output.read_text().splitlines()) == len(PROMPTS), f"{way}:\n{result.stderr}"
+        else:  # the one error line ends what it says (a line that it converts the model may come first)
+            errors = [line for line in result.stderr.splitlines() if line.startswith("zerolite: error: ")]
+            assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]), f"{way}:\n{result.stderr}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plan_and_profile_answer_with_no_flags(arch, make_source, capsys, monkeypatch):
     source = make_source(arch)
