@@ -13,8 +13,9 @@ Everything runs as on the plain simulated device (SimulatedDevice: real bytes, r
 checks); beside it, each piece of work is given a start and an end on one virtual clock, when it
 is queued, as the hardware would run it:
   - the host's time moves only when it waits: an event's or a stream's synchronize, a read from
-    disk waited for, or a scalar read off the device (.item(), a bool() of a device tensor); each
-    wait is kept in waits, with its kind and how long the host was blocked
+    disk waited for, a scalar read off the device (.item(), a bool() of a device tensor), or (with
+    launch_queue) a kernel queued while the compute stream already holds that many unfinished;
+    each wait is kept in waits, with its kind and how long the host was blocked
   - a stream's work runs in the order queued, after the host queued it and after the events the
     stream was told to wait for
   - engines run one piece of work at a time, in the order it reached them: one copy engine for
@@ -31,6 +32,7 @@ has passed its end: the copy after it is queued when the host would know of it o
 from __future__ import annotations
 
 from contextlib import contextmanager
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +64,7 @@ H2D, D2H, COMPUTE, DISK = "h2d", "d2h", "compute", "disk"
 
 @dataclass(frozen=True)
 class Wait:
-    kind: str        # "event" (a synchronize), "disk" (a read waited for), "scalar" (a read off the device)
+    kind: str        # "event" (a synchronize), "disk" (a read waited for), "scalar" (a read off the device), "launch"
     at: float        # the host's time when it began to wait
     until: float     # ... and when it went on (at, where what it waited for was done already)
 
@@ -73,9 +75,11 @@ class Wait:
 
 class TimedDevice(SimulatedDevice):
     def __init__(self, rates: Rates, seed: int = 0, memory_bytes: int = 8 << 30, reports_cuda: bool = True,
-                 disk_scale: float = 1.0):
+                 disk_scale: float = 1.0, launch_queue: int | None = None):
         """disk_scale: the modelled bytes of each byte the I/O engine reads (set it with the copies'
-        scale, so a block read from disk weighs what its copy does)."""
+        scale, so a block read from disk weighs what its copy does). launch_queue: the modelled
+        kernels the compute stream holds unfinished before queueing one more blocks the host, as
+        CUDA's launch queue does at about a thousand launches (None: never)."""
         super().__init__(seed=seed, memory_bytes=memory_bytes, max_delay_s=0.0, reports_cuda=reports_cuda)
         self.rates = rates
         self.now = 0.0                                   # the host's virtual time
@@ -86,6 +90,8 @@ class TimedDevice(SimulatedDevice):
         self.work: dict[str, list[tuple[float, float]]] = {H2D: [], D2H: [], COMPUTE: [], DISK: []}
         self._reads: dict[int, float] = {}               # engine ticket -> when its read ends
         self.waits: list[Wait] = []                      # every time the host waited, in order
+        self.launch_queue = launch_queue
+        self._launched: deque[float] = deque()           # the ends of the kernels queued on compute, oldest first
 
     # the clock
 
@@ -102,13 +108,20 @@ class TimedDevice(SimulatedDevice):
         self.waits.append(Wait(kind, self.now, max(self.now, until)))
         self.now = max(self.now, until)
 
-    def blocked(self, start: float, end: float, kinds=("event", "scalar")) -> list[Wait]:
+    def blocked(self, start: float, end: float, kinds=("event", "scalar", "launch")) -> list[Wait]:
         """The waits of these kinds that began in [start, end) and blocked the host."""
         return [w for w in self.waits if w.kind in kinds and start <= w.at < end and w.blocked_s > 0]
 
     def kernel(self, flops: float = 0.0, nbytes: float = 0.0) -> None:
         """A kernel's modelled time on the compute stream: the slower of its FLOPs and its memory traffic."""
+        if self.launch_queue is not None:
+            while self._launched and self._launched[0] <= self.now:
+                self._launched.popleft()
+            if len(self._launched) >= self.launch_queue:
+                self._wait_for(self._launched[-self.launch_queue], "launch")
         self._queue(COMPUTE, self.compute, max(flops / (self.rates.tflops * 1e12), nbytes / (self.rates.memory_gbps * 1e9)))
+        if self.launch_queue is not None:
+            self._launched.append(self._ends[COMPUTE])
 
     def busy(self, engine: str, start: float, end: float) -> float:
         """The share of [start, end) engine was working."""

@@ -12,8 +12,9 @@ Per decode step:
              with one; the copy engine idles, though, while the resident layers between two
              streamed ones (and the head) compute longer than the ring's copies ahead take, and
              the disk idles while the layers held in memory compute longer
-             than it takes to fill the ring ahead of them (on a GPU the disk's layers are one
-             stretch after the held ones; on a CPU they are spread among them: Plan.make)
+             than it takes to fill the buffers read ahead of them (on a GPU the disk's layers
+             are one stretch after the held ones, read into staging buffers of their own from the
+             step before; on a CPU they are spread among them: Plan.make)
 A routed mixture of experts reads and multiplies only the experts its tokens pick: the expected
 distinct experts of a random router (ModelCosts.expected_experts), and reads some guessed experts
 no token picks (WRONG_GUESSES, from zerolite profile's early_unused_experts_per_step on the MoE
@@ -145,11 +146,12 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
             gaps = 1 if costs.experts else streamed_layers
             copy += gaps * max(between / gaps - ahead, 0.0)
         if disk_layers and c.prefetch_depth >= 2 and not kept:
-            # While the layers held in memory compute, the disk reads ahead only as far as the ring
-            # reaches; the rest of that time it idles. On a GPU, and for a mixture's layers read per
-            # expert, the disk's layers are one stretch (Plan.make): the ring reaches prefetch_depth
-            # blocks past all the held ones. Otherwise they are spread among the held ones: past
-            # each gap, the ring's other slots.
+            # While the layers held in memory compute, the disk reads ahead only as far as its
+            # buffers reach; the rest of that time it idles. On a GPU, and for a mixture's layers
+            # read per expert, the disk's layers are one stretch (Plan.make): on a GPU its next
+            # prefetch_depth blocks are read into staging buffers of their own whatever the ring's
+            # place (zerolite.runtime.slots), the ring reaches as many past the held ones. Otherwise
+            # they are spread among the held ones: past each gap, the ring's other slots.
             held = compute - disk_layers * per_layer
             if hardware.gpu or costs.experts:
                 disk += max(held - c.prefetch_depth * moved / rate, 0.0)

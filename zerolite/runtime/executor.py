@@ -108,6 +108,7 @@ class Executor:
         # What the ring reads ahead: blocks that need a transfer. Where host memory is the device's,
         # a block held there needs none, so the disk reads on through such layers instead of idling.
         self._transferred = frozenset(plan.streamed if device.separate_memory else plan.on_disk)
+        self._on_disk = frozenset(plan.on_disk)
         self._running: dict[str, object] = {}  # block -> its running() context, entered and not yet left
         self._step = None
         self._steps = 0
@@ -133,7 +134,8 @@ class Executor:
     def running(self, name: str):
         """One streamed block's turn, the whole per-layer pipeline in one place:
 
-        1. ask for this block and the ones the schedule expects next: their reads start now
+        1. ask for this block and the ones the schedule expects next: their reads start now; on
+           a GPU, the disk's next blocks too, into staging buffers apart from the ring
         2. queue copies for reads already finished, so they overlap this block's compute
         3. wait for this block's bytes and bind them into its modules
         4. the block's forward runs (the body), on the compute span
@@ -141,6 +143,7 @@ class Executor:
         """
         self.schedule.ran(name)
         self.slots.want([name] + self.schedule.ahead(name, self.policy.prefetch_depth - 1, self._transferred))
+        self.slots.read_ahead(self.schedule.ahead(name, self.policy.prefetch_depth, self._on_disk))
         self.slots.advance()
         self._bindings[name].bind(self.slots.wait(name))
         try:

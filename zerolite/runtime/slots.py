@@ -13,6 +13,14 @@ of their own, ordered by events: compute waits for the copy, the next copy into 
 compute, and the engine reads into a host buffer only once the copy from it is done. On a CPU
 device the host bytes are what compute uses: no copy at all.
 
+On a GPU the host buffers are staging buffers apart from the ring (as many as it has slots): a slot
+borrows one for a block from disk and gives it back once the copy from it is done, and
+read_ahead() starts the reads of the disk's next blocks into those free, however far ahead of the
+ring they lie. The host queues a step's layers only so far ahead of the GPU (CUDA blocks a launch
+past about a thousand queued; a step boundary waits for the step), so a disk read started only
+when the ring reaches its block left the disk idle while the layers held in memory before it were
+copied and computed (tests/test_timed_device.py).
+
 A mixture's layer streamed per expert (zerolite.moe.experts) comes in two parts: want() brings its
 dense part; want_experts() and wait_experts() bring the experts a step's router picked (or a guess
 at them) into their places in the same slot, from the expert cache, the block's memory home or the
@@ -52,8 +60,16 @@ class ExpertFetch:
 
 
 @dataclass(eq=False)
+class Ahead:
+    """A block's read from disk into a staging buffer, started before a slot wanted it."""
+    host: torch.Tensor
+    ticket: int
+    submitted: float
+
+
+@dataclass(eq=False)
 class Slot:
-    host: torch.Tensor | None            # the read target, for a disk home
+    host: torch.Tensor | None            # the read target, for a disk home (on a GPU a staging buffer, lent)
     device: torch.Tensor | None          # the copy target, where device memory is separate
     block: str | None = None
     source: torch.Tensor | None = None   # where the block's bytes are in host memory
@@ -89,11 +105,14 @@ class Slots:
         self.expert_stream = device.new_stream() if self.separate and per_expert else None
         self._slots = [
             Slot(
-                host=device.pinned_empty(slot_bytes) if reads else None,
+                host=device.pinned_empty(slot_bytes) if reads and not self.separate else None,
                 device=device.empty(max(slot_bytes, device_bytes or 0)) if self.separate else None,
             )
             for _ in range(depth)
         ]
+        # On a GPU: the free staging buffers, and those lent to reads ahead of the ring (block -> read)
+        self._staging = [device.pinned_empty(slot_bytes) for _ in range(depth)] if reads and self.separate else []
+        self._ahead: dict[str, Ahead] = {}
         self._by_block: dict[str, Slot] = {}
         self._starts = 0
         if self.separate:
@@ -101,6 +120,18 @@ class Slots:
             # first, so it comes after whatever compute queued before they were handed out.
             for stream in self._streams:
                 device.wait_stream(stream, device.compute_stream())
+
+    def read_ahead(self, names: list[str]) -> None:
+        """On a GPU, starts reading these blocks from disk (in order, as far as free staging buffers
+        go) before the ring wants them; elsewhere, or for a block streamed per expert, nothing."""
+        for name in names:
+            if (not self.separate or self.disk is None or name in self._by_block or name in self._ahead
+                    or self.memory.holds(name) or name in self.per_expert):
+                continue
+            if not self._staging:
+                return
+            host = self._staging.pop()
+            self._ahead[name] = Ahead(host, self.disk.submit(name, host, 0, self._needed(name)), time.perf_counter())
 
     def want(self, names: list[str]) -> None:
         """Makes sure these blocks are here or on their way, refilling slots that hold none of them
@@ -123,12 +154,33 @@ class Slots:
             self._by_block[name] = slot
             if self.memory.holds(name):
                 slot.source = self.memory.bytes_of(name)
+            elif name in self._ahead:
+                ahead = self._ahead.pop(name)
+                slot.host, slot.ticket, slot.submitted, slot.source = ahead.host, ahead.ticket, ahead.submitted, ahead.host
             else:
+                if self.separate:
+                    slot.host = self._staging_buffer()
                 slot.submitted = time.perf_counter()
                 slot.ticket = self.disk.submit(name, slot.host, 0, self._needed(name))
                 slot.source = slot.host
             if self.separate and slot.ticket is None:
                 self._copy(slot)
+
+    def _staging_buffer(self) -> torch.Tensor:
+        """A free staging buffer; with none, the one lent to the read ahead wanted last (its read
+        waited for and dropped): the ring's own blocks come first."""
+        if not self._staging:
+            _, ahead = self._ahead.popitem()
+            self._settle_ahead(ahead)
+        return self._staging.pop()
+
+    def _settle_ahead(self, ahead: Ahead) -> None:
+        """Waits for a read ahead no slot took and gives its buffer back; a failed one is only dropped."""
+        try:
+            self.disk.wait(ahead.ticket)
+        except ZeroliteError:
+            pass
+        self._staging.append(ahead.host)
 
     def want_experts(self, name: str, experts) -> None:
         """Makes sure these experts of a block already wanted are here or on their way: copied in
@@ -238,6 +290,9 @@ class Slots:
         """Waits for every read in flight: no read may outlive the buffers it fills. A read that
         failed meanwhile is only dropped: nothing will use its bytes, and the error that matters
         (if any) is the one already on its way up."""
+        for ahead in self._ahead.values():
+            self._settle_ahead(ahead)
+        self._ahead = {}
         for slot in self._slots:
             if slot.ticket is not None or any(f.ticket is not None for f in slot.experts.values()):
                 try:
@@ -350,6 +405,9 @@ class Slots:
             for copied in [slot.copied] + [f.copied for f in slot.experts.values()]:
                 if copied is not None:
                     copied.synchronize()
+        if self.separate and slot.host is not None:  # a staging buffer, lent for the block leaving
+            self._staging.append(slot.host)
+            slot.host = None
         if self.expert_stream is not None:
             # The next block's copies into the slot, on either stream, come after the last ones on
             # the other (compute, which orders them otherwise, may never have run the block).
