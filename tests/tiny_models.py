@@ -29,10 +29,25 @@ MOE_SHAPES = {
     "olmoe": dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2),
     # experts transposed, with biases; a router with a bias; sliding-window layers between full ones
     "gpt_oss": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8),
+    # DeepSeek-V3: MLA attention (as many K/V heads as query heads), a shared expert, sigmoid routing
+    # limited to 1 of 2 groups of 4 experts with a score correction bias, gate and up fused in one
+    # [experts, 2 x 24, hidden] tensor; its first layer dense (first_k_dense_replace)
+    "deepseek_v3": dict(intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
+                        q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4),
+    # GLM-4.5: DeepSeek-V3's mixture (shared expert, grouped sigmoid routing, a dense first layer) under
+    # grouped-query attention
+    "glm4_moe": dict(intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                     n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, head_dim=16),
 }
 # JetMoe's experts (ParallelExperts) are called with token counts, not with the routing: streamed whole.
 WHOLE_MOE_SHAPES = {
     "jetmoe": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, kv_channels=16, num_key_value_heads=4),
+    # Llama 4's experts module runs every expert over every token (the unpicked ones on rows scaled to
+    # zero by the router), transposed [experts, hidden, 2 x 24] weights, a shared expert beside them:
+    # streamed whole.
+    "llama4_text": dict(intermediate_size=24, intermediate_size_mlp=96, num_local_experts=8, num_experts_per_tok=1,
+                        head_dim=16),
 }
 
 # Windowed attention on some layers, full attention on the others (alternating, sliding first): a
@@ -147,6 +162,10 @@ def build_tiny_model(arch: str, seed: int = 0, **config_kwargs) -> torch.nn.Modu
                 param.normal_(0.0, 4.0 / param.shape[-1] ** 0.5)
             else:
                 param.add_(torch.randn_like(param), alpha=0.2)
+        # a router's score correction (DeepSeek-V3, GLM-4.5): a buffer that checkpoints store, zeros at init
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn_like(buffer), alpha=0.2)
     return model.eval()
 
 

@@ -294,8 +294,10 @@ def weights_multiplied_directly(owner: type) -> frozenset[str]:
 
 
 def linear_shape(module: nn.Module) -> LinearShape | None:
-    """A Linear's or Conv1D's widths; None for any other module."""
-    if isinstance(module, nn.Linear):
+    """A Linear's or Conv1D's widths; None for any other module, and for a Linear whose class
+    computes more than the product (Llama 4's router, an nn.Linear whose forward also takes the
+    top-k), which a quantized linear in its place would drop."""
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
         return LinearShape(module.out_features, module.in_features, transposed=False)
     if isinstance(module, Conv1D):
         return LinearShape(module.nf, module.weight.shape[0], transposed=True)

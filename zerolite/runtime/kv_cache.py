@@ -153,19 +153,21 @@ class HostLayer(DynamicLayer):
         3. the tokens so far copied in, through a copy of their own where they lie in those buffers
         """
         self.settle()
-        batch, heads, used, dim = self.keys.shape
-        token_bytes = batch * heads * dim * self.dtype.itemsize
+        used = self.keys.shape[-2]
+        # keys and values may differ in width: DeepSeek-V3's attention caches its latent and its
+        # rotary part as the two
+        shapes = [(batch, heads, dim) for batch, heads, _, dim in (self.keys.shape, self.values.shape)]
+        token_bytes = [math.prod(shape) * self.dtype.itemsize for shape in shapes]
         pinned = self._pinned
-        if pinned is None or min(flat.nbytes for flat in pinned) < length * token_bytes:
-            wanted = max(2 * length, MIN_TOKENS, self.tokens) * token_bytes
-            pinned = (self.pool.take(wanted), self.pool.take(wanted))
-        capacity = min(flat.nbytes for flat in pinned) // token_bytes
+        if pinned is None or min(flat.nbytes // width for flat, width in zip(pinned, token_bytes)) < length:
+            pinned = tuple(self.pool.take(max(2 * length, MIN_TOKENS, self.tokens) * width) for width in token_bytes)
+        capacity = min(flat.nbytes // width for flat, width in zip(pinned, token_bytes))
         grown = []
-        for flat, old in zip(pinned, (self.keys, self.values)):
+        for flat, old, shape, width in zip(pinned, (self.keys, self.values), shapes, token_bytes):
             tokens = old.permute(2, 0, 1, 3)
             if old.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
                 tokens = tokens.clone()  # a view of the buffer itself (rows cropped in place): overlaps
-            buffer = flat[:capacity * token_bytes].view(self.dtype).view(capacity, batch, heads, dim)
+            buffer = flat[:capacity * width].view(self.dtype).view(capacity, *shape)
             buffer[:used].copy_(tokens)
             grown.append(buffer)
         if self._pinned is not None and pinned is not self._pinned:
