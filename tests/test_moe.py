@@ -16,10 +16,11 @@ from transformers import GenerationMixin
 
 import zerolite
 from helpers import greedy
-from simulated_device import SimulatedDevice
+from simulated_device import OrderingError, SimulatedDevice
 from test_executor import (BATCH, MORE_SETUPS, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal,
                            layout_and_reference)
 from tiny_models import MOE_SHAPES, WHOLE_MOE_SHAPES
+from zerolite.cli.plan_summary import summarize
 from zerolite.errors import ZeroliteError
 from zerolite.moe.experts import find_experts
 from zerolite.layout.folder import Layout
@@ -332,3 +333,75 @@ def test_keys_and_values_of_different_widths_in_host_memory_equal_transformers(m
     part (qk_rope_head_dim) as a layer's keys and values: every layer's K/V in host memory, each in
     host buffers of its own width (a buffer shaped by the keys alone took the values' copy wrong)."""
     check_equal(layout_and_reference("deepseek_v3", make_source, make_layout), MORE_SETUPS["kv-1.0"], 2, gpu)
+
+
+def expert_copies(sim: SimulatedDevice, lm, counted: list) -> None:
+    """Records in counted the bytes of every copy into a slot's expert area (from the first expert's
+    offset on: a dense part's copy starts at the slot's first byte)."""
+    first = min(block.experts.offset for block in mixture_layers(lm.layout.folder))
+    slots = {slot.device.untyped_storage().data_ptr(): slot.device.data_ptr() for slot in lm.executor.slots._slots}
+    copy = sim.copy
+
+    def recorded(dst, src, stream):
+        start = slots.get(dst.untyped_storage().data_ptr())
+        if start is not None and dst.data_ptr() - start >= first:
+            counted.append(dst.nbytes)
+        copy(dst, src, stream)
+
+    sim.copy = recorded
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("setup", ["nvme", "cpu"])
+def test_experts_on_the_cpu_move_no_expert_over_the_link_and_equal_transformers(arch, setup, make_source, make_layout):
+    """`experts` cpu on a GPU: the host computes each layer's routed experts from their bytes in host
+    memory (held there, or read from disk into the slot's host buffer), the hidden states going over
+    and the outputs back; no copy lands in a slot's expert area (the simulated device sees every
+    copy), and the tokens and logits are transformers', as with the experts moved to the device.
+    DeepSeek-V3: fused gate_up, a shared expert and a dense first layer on the device; gpt-oss:
+    transposed experts with biases."""
+    layout, reference = layout_and_reference(arch, make_source, make_layout)
+    moved = {}
+    for experts in ("device", "cpu"):
+        sim = SimulatedDevice(seed=7, max_delay_s=2e-4)
+        counted = []
+        with sim.watching(), zerolite.load(layout, prefetch_depth=2, experts=experts,
+                                           **{**NVME, **SETUPS[setup], "device": sim, "gpu_memory": 0}) as lm:
+            assert lm.per_expert == frozenset(b.name for b in mixture_layers(layout))
+            assert lm.host_experts == (lm.per_expert if experts == "cpu" else frozenset())
+            said = [line for line in summarize(lm) if line.startswith("experts on the CPU: ")]
+            assert len(said) == (experts == "cpu"), summarize(lm)
+            expert_copies(sim, lm, counted)
+            assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
+            moved[experts] = (sum(counted), lm.executor.slots.expert_bytes_copied)
+    assert moved["device"][0] > 0 and moved["device"][1] > 0, moved
+    assert moved["cpu"] == (0, 0), moved
+
+
+def test_without_the_wait_for_the_hosts_expert_output_the_device_reads_it_early(make_source, make_layout, monkeypatch):
+    """The device's use of the host's expert output waits for its copy back: without that wait the
+    simulated device's ledger sees compute read the output before the copy that fills it."""
+    layout, _ = layout_and_reference("deepseek_v3", make_source, make_layout)
+    from zerolite.moe import host_experts
+
+    class NoWait:
+        def __init__(self, device):
+            self.device = device
+
+        def wait_event(self, stream, event):
+            pass  # the one wait removed
+
+        def __getattr__(self, name):
+            return getattr(self.device, name)
+
+    real = host_experts.HostExperts.__init__
+
+    def without_the_wait(self, manifest, device):
+        real(self, manifest, NoWait(device))
+
+    monkeypatch.setattr(host_experts.HostExperts, "__init__", without_the_wait)
+    sim = SimulatedDevice(seed=7, max_delay_s=2e-4)
+    with pytest.raises(OrderingError, match="compute reads a device buffer before the copy"):
+        with sim.watching(), zerolite.load(layout, prefetch_depth=2, experts="cpu",
+                                           **{**NVME, "device": sim, "gpu_memory": 0}) as lm:
+            greedy(lm, SINGLE, 2)

@@ -122,6 +122,11 @@ class OffloadedLM:
         """The streamed layers whose experts are read apart, only those the router picks."""
         return self.executor.per_expert
 
+    @property
+    def host_experts(self) -> frozenset[str]:
+        """Of those, the layers whose routed experts the host computes (`experts` cpu on a GPU)."""
+        return self.executor.host_experts
+
     def new_cache(self, tokens: int = 0):
         """The cache generate would make: with kv_offload, that share of the layers' K/V in host memory,
         its buffers made for tokens (where the job's length is known) from the pool all caches share."""

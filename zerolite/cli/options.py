@@ -47,8 +47,9 @@ KvOffload = Annotated[float, typer.Option(
     "--kv-offload", help="Share of the layers (0 to 1) whose K/V cache lives in host memory, so the batch can grow "
     "past device memory.")]
 Experts = Annotated[str, typer.Option(
-    "--experts", help="A mixture of experts: routed moves only the experts the router picks at each step, whole "
-    "moves every expert, as a dense layer streams.")]
+    "--experts", help="A mixture of experts: routed (or device) moves only the experts the router picks at each step "
+    "to the device, whole moves every expert, as a dense layer streams; cpu (on a GPU) computes the routed experts on "
+    "the CPU from host memory, only their tokens' hidden states crossing to the GPU and back.")]
 Weights = Annotated[str | None, typer.Option(
     "--weights", help="stored (the checkpoint's own precision), or int8 / int4: its layers' weights converted so, once "
     "(a quarter of the bytes to stream with int4).", show_default=False)]

@@ -45,6 +45,10 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
                      "of attention, norms and routers"
                      + (f"; {plan.expert_cache / 1e9:.2f} GB of host memory keeps experts across steps"
                         if plan.expert_cache else ""))
+    if lm.host_experts:
+        lines.append(f"experts on the CPU: the routed experts of {len(lm.host_experts)} layers computed by the host from "
+                     f"host memory ({layer_list(lm.host_experts)}); only their "
+                     f"tokens' hidden states cross to and from {device}, which computes the rest")
     if manifest.quantization:
         lines[0] += f" (layer weights {manifest.quantization['weights']})"
 

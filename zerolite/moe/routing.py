@@ -5,7 +5,9 @@ router picked into the layer's slot, and guess the next layer's so that their re
     hooks = routing.attach(model, manifest, slots)                        # once the ring exists
 
 The executor streams such a layer's dense part as any block; these hooks then run inside its
-forward, where the routing is known. slots is the executor's ring (zerolite.runtime.slots): it
+forward, where the routing is known. Where the host computes the experts (host_experts, `experts`
+cpu on a GPU), the experts module's forward is replaced by zerolite.moe.host_experts' for as long
+as the hooks stay. slots is the executor's ring (zerolite.runtime.slots): it
 keeps each layer's experts in rows of its slot (want_experts, wait_experts, first_here, holds).
 """
 
@@ -24,13 +26,17 @@ from zerolite.moe.cache import ExpertCache
 from zerolite.moe.counts import ExpertCounts
 from zerolite.moe.experts import find_experts
 from zerolite.moe.guess import ExpertGuess
+from zerolite.moe.host_experts import HostExperts
 
 
 class ExpertRouting:
     def __init__(self, model: nn.Module, manifest: Manifest, per_expert: frozenset[str], disk: DiskStore,
-                 device: Device):
+                 device: Device, host_experts: frozenset[str] = frozenset()):
+        """host_experts: those of per_expert whose experts the host computes."""
         self.per_expert = per_expert
         self.device = device
+        self.host = HostExperts(manifest, device) if host_experts else None
+        self.host_experts = host_experts
         self.guess = ExpertGuess(model, manifest, per_expert, disk, device)
         layers = manifest.layer_names
         self._next_layer = {a: b for a, b in zip(layers, layers[1:]) if a in per_expert and b in per_expert}
@@ -45,6 +51,9 @@ class ExpertRouting:
         for name in self.per_expert:
             experts = model.get_submodule(module_path(manifest.layers_path, name) + "." + manifest.block(name).experts.module)
             hooks += [experts.register_forward_pre_hook(self._before(name)), experts.register_forward_hook(self._after(name))]
+            if name in self.host_experts:
+                experts.forward = self.host.forward_of(name, experts, slots)
+                hooks.append(ForwardReplaced(experts, self.host))
         return hooks
 
     def routing(self, name: str, hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor | None = None,
@@ -129,6 +138,18 @@ class ExpertRouting:
             return self.routed_later(name, module, output)
 
         return after
+
+
+class ForwardReplaced:
+    """A hook-like handle: remove() gives the experts module its own forward back, once the last copy
+    of the host's output has finished."""
+
+    def __init__(self, module: nn.Module, host: HostExperts):
+        self.module, self.host = module, host
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+        self.host.close()
 
 
 def splits_exactly(experts: nn.Module | None, hidden: torch.Tensor) -> bool:

@@ -78,8 +78,10 @@ class Executor:
 
         self.per_expert, self.experts_note = streamed_per_expert(self.model, layout, plan.streamed, plan.on_disk,
                                                                  policy.experts == "whole", device.separate_memory)
+        # Where the device has memory of its own, `experts` cpu computes those layers' experts on the host
+        self.host_experts = self.per_expert if policy.experts == "cpu" and device.separate_memory else frozenset()
         started = time.perf_counter()
-        self.routing = ExpertRouting(self.model, manifest, self.per_expert, self.disk, device)
+        self.routing = ExpertRouting(self.model, manifest, self.per_expert, self.disk, device, self.host_experts)
         memory = host_memory(self.disk, plan, device, world, progress)
         for name, data in load_resident(self.disk, [n for n in plan.resident if not memory.holds(n)], device, progress):
             self._bindings[name].bind(data)
@@ -100,7 +102,8 @@ class Executor:
                              if self.per_expert and plan.expert_cache else None)
         self.slots = Slots(manifest, self.disk if plan.on_disk else None, memory, policy.prefetch_depth, device,
                            slot_bytes, timeline, self.per_expert, self.expert_cache,
-                           device_bytes=max((bound[name].length for name in plan.streamed), default=0))
+                           device_bytes=max((bound[name].length for name in plan.streamed), default=0),
+                           host_experts=self.host_experts)
         self.schedule = Schedule(list(plan.streamed))
         # (fetches, appends) and the pinned host buffers for every K/V cache it offloads
         self.kv_streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None

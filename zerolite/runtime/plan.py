@@ -66,7 +66,7 @@ class Plan:
         on_device_room = budgets.device - manifest.nbytes(always) - sum(dense(name) for name in always)
         fits = min(max(on_device_room // widest_on_device, 0), len(layers))
         # Experts read per expert guess the next layer's from this one's: those layers stay together.
-        per_expert = policy.experts == "routed" and any(manifest.block(name).experts for name in layers)
+        per_expert = policy.per_expert and any(manifest.block(name).experts for name in layers)
         if separate_memory and not per_expert:
             streams = set(spread(layers, len(layers) - fits))
             on_device = [name for name in layers if name not in streams]
@@ -77,7 +77,7 @@ class Plan:
         resident = tuple(name for name in names if name in always or name in on_device)
         on_disk = tuple(rest[held:] if separate_memory or per_expert else spread(rest, len(rest) - held))
         # What the layers held whole leave of the host budget keeps experts read from disk instead.
-        routed = policy.experts == "routed" and any(manifest.block(name).experts for name in on_disk)
+        routed = policy.per_expert and any(manifest.block(name).experts for name in on_disk)
         cache = (budgets.host - held * host_cost(widest)) // ranks_here if routed else 0
         return cls(resident, tuple(rest), on_disk, max(cache, 0))
 

@@ -12,7 +12,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device, cuda_available, resolve
 
 OFFLOAD_CHOICES = ("nvme", "cpu", "none")
-EXPERTS_CHOICES = ("routed", "whole")
+EXPERTS_CHOICES = ("routed", "whole", "device", "cpu")
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,10 @@ class Policy:
     gpu_memory: int | None = None      # bytes of blocks kept resident on the GPU; None: what is free, less headroom
     cpu_memory: int | None = None      # bytes of layers kept in host memory (--offload nvme); None: likewise
     kv_offload: float = 0.0            # fraction of the layers whose K/V cache lives in host memory
-    experts: str = "routed"            # a mixture of experts' layers: "routed" moves only the experts the
-                                       # router picks, "whole" every expert, as a dense layer streams
+    experts: str = "routed"            # a mixture of experts' layers: "routed" (or "device") moves only the
+                                       # experts the router picks, "whole" every expert, as a dense layer
+                                       # streams; "cpu" computes the routed experts on the host from host
+                                       # memory, on a GPU, moving only the hidden states
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
@@ -45,6 +47,8 @@ class Policy:
                 )
         if self.experts not in EXPERTS_CHOICES:
             raise ZeroliteError(f"unknown `experts` {self.experts!r}: choose one of {', '.join(EXPERTS_CHOICES)}")
+        if self.experts == "device":
+            object.__setattr__(self, "experts", "routed")  # the experts routed to, moved to the device
         if self.prefetch_depth < 1:
             raise ZeroliteError(f"`prefetch_depth` must be at least 1, got {self.prefetch_depth}")
         for name, budget in (("gpu_memory", self.gpu_memory), ("cpu_memory", self.cpu_memory)):
@@ -53,6 +57,11 @@ class Policy:
         if not 0.0 <= self.kv_offload <= 1.0:
             raise ZeroliteError(f"`kv_offload` is the fraction of layers whose K/V cache lives in host memory: "
                                 f"give a number from 0 to 1, not {self.kv_offload}")
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether a mixture's layers read only the experts the router picks (on the device or the host)."""
+        return self.experts != "whole"
 
     def target(self) -> Device:
         """The Device the policy runs on."""

@@ -27,7 +27,8 @@ at them) into their places in the same slot, from the expert cache, the block's 
 disk. The experts' tensors are bound over the whole slot: rows not brought are never read. On a
 GPU their copies run on a stream of their own: the router's picks are known only once the layer
 runs, and on the one copy stream they would queue behind the dense parts read ahead for the next
-layers, the layer waiting the while.
+layers, the layer waiting the while. A block whose experts the host computes (host_experts:
+zerolite.moe.host_experts) keeps them in its host bytes (host_bytes()) and copies none.
 
 Slots never decide which block comes next; the executor does.
 """
@@ -86,11 +87,13 @@ class Slot:
 class Slots:
     def __init__(self, manifest: Manifest, disk: DiskStore | None, memory: MemoryStore, depth: int, device: Device,
                  slot_bytes: int, timeline=NO_TIMELINE, per_expert: frozenset[str] = frozenset(),
-                 cache: ExpertCache | None = None, device_bytes: int | None = None):
+                 cache: ExpertCache | None = None, device_bytes: int | None = None,
+                 host_experts: frozenset[str] = frozenset()):
         """disk is None when no streamed block lives there: the slots then need no host buffers.
         per_expert names the blocks whose experts come apart from their dense part; cache keeps
         experts read from disk across steps. device_bytes: each device buffer's size, where a
-        block laid out afresh there (zerolite.layout.placement) takes more than slot_bytes."""
+        block laid out afresh there (zerolite.layout.placement) takes more than slot_bytes.
+        host_experts: those of per_expert whose experts the host computes, which never go to the device."""
         self.manifest = manifest
         self.disk = disk
         self.memory = memory
@@ -99,10 +102,12 @@ class Slots:
         self.separate = device.separate_memory
         self.per_expert = per_expert
         self.cache = cache
+        self.host_experts = host_experts if self.separate else frozenset()
         self.expert_bytes_read = 0  # of disk reads, those of experts (the rest: dense parts and whole blocks)
+        self.expert_bytes_copied = 0  # of copies to the device, those of experts
         reads = disk is not None
         self.copy_stream = device.new_stream() if self.separate else None
-        self.expert_stream = device.new_stream() if self.separate and per_expert else None
+        self.expert_stream = device.new_stream() if self.separate and per_expert - self.host_experts else None
         self._slots = [
             Slot(
                 host=device.pinned_empty(slot_bytes) if reads and not self.separate else None,
@@ -201,7 +206,7 @@ class Slots:
                     fetch.submitted = time.perf_counter()
                     fetch.ticket = self.disk.submit(name, self._expert_bytes(slot, fetch), fetch.start, fetch.length)
                     self.expert_bytes_read += fetch.length
-            if self.separate and fetch.ticket is None:
+            if self.separate and fetch.ticket is None and name not in self.host_experts:
                 fetch.copied = self._copy_expert(slot, fetch)
 
     def wait_experts(self, name: str, experts) -> None:
@@ -213,7 +218,7 @@ class Slots:
             with self._stalled(f"{name} expert {expert}", reading=fetch.ticket is not None):
                 if fetch.ticket is not None:
                     self._land_expert(slot, expert, block=True)
-                if self.separate:
+                if self.separate and name not in self.host_experts:
                     self.device.wait_event(compute, fetch.copied)
 
     def first_here(self, name: str, experts: list[int]) -> tuple[int, bool]:
@@ -228,6 +233,10 @@ class Slots:
             if expert != soonest and fetches[expert].ticket is not None:
                 self._land_expert(slot, expert, block=False)
         return soonest, all(fetches[e].ticket is None for e in experts)
+
+    def host_bytes(self, name: str) -> torch.Tensor:
+        """A block of host_experts' bytes in host memory, where its experts waited for lie."""
+        return self._by_block[name].source[:self.manifest.block(name).length]
 
     def holds(self, name: str) -> bool:
         """Whether the block is in a slot (here, or on its way)."""
@@ -357,7 +366,7 @@ class Slots:
             raise
         if self.cache is not None:
             self.cache.put((slot.block, expert), data)
-        if self.separate:
+        if self.separate and slot.block not in self.host_experts:
             fetch.copied = self._copy_expert(slot, fetch)
 
     def _expert_bytes(self, slot: Slot, fetch: ExpertFetch) -> torch.Tensor:
@@ -426,6 +435,7 @@ class Slots:
     def _copy_expert(self, slot: Slot, fetch: ExpertFetch):
         """Queues the copy of one expert's bytes to the same place on the device, on the experts' stream."""
         slot.experts_copied = self._copy_moves(slot, [Move(fetch.start, fetch.start, fetch.length)], self.expert_stream)
+        self.expert_bytes_copied += fetch.length
         return slot.experts_copied
 
     def _copy_moves(self, slot: Slot, moves: list[Move], stream=None):
