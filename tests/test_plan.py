@@ -65,6 +65,22 @@ def test_a_pinned_host_budget_keeps_the_layers_generate_keeps(machine, capsys, m
             assert planned["disk_layers"] == len(lm.plan.on_disk), budget
 
 
+def test_a_path_not_made_yet_has_its_disk_measured_where_it_will_be(machine, capsys, monkeypatch, make_source):
+    """With no disk rate recorded (a fresh machine), generate --path /nvme/new plans by measuring the
+    disk at the nearest folder that exists, not refusing a folder the layout has yet to make."""
+    import zerolite.planner.for_job
+
+    measured = []
+    monkeypatch.setattr(zerolite.planner.for_job, "measure_disk",
+                        lambda target: measured.append(target) or {"read_gbps": 2.0, "bytes": 1 << 20})
+    prompts = machine / "in.jsonl"
+    prompts.write_text('{"id": 0, "input_ids": [5, 9, 12]}\n')
+    done = run(capsys, monkeypatch, "generate", "--model", make_source("llama", layers=2), "--path", machine / "nvme" / "new",
+               "--device", "cpu", "--input", prompts, "--max-new-tokens", "2")
+    assert done.code == 0, done.stderr
+    assert measured == [machine] and not done.stderr.startswith("plan: none"), done.stderr
+
+
 def test_profile_records_the_disk_rate_that_plan_then_uses(machine, capsys, monkeypatch, make_layout):
     monkeypatch.setattr(measurements, "DISK_RECORDED_BYTES", 0)  # a tiny layout's read pass stands for the disk here
     layout = make_layout("llama", layers=3)
