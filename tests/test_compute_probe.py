@@ -103,7 +103,7 @@ def test_a_layer_s_time_weighs_each_kept_layer_by_its_share(monkeypatch):
 
     monkeypatch.setattr(compute_probe.LayerClock, "leave", slowed)
     layer = probe_layer(tiny("qwen3_next", num_hidden_layers=4), torch.float32, CpuDevice())["layer"][1]
-    assert 0.15 <= layer < 0.18
+    assert 0.15 <= layer < 0.2  # the slowed layer's time alone, unweighted, would be 0.2 and more
 
 
 def test_a_model_with_a_vision_tower_is_timed_on_its_text_layers():

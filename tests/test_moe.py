@@ -72,33 +72,32 @@ def test_layers_read_per_expert_stay_one_stretch_on_a_cpu_so_each_guesses_the_ne
     assert whole.on_disk != routed.on_disk and len(whole.on_disk) == len(routed.on_disk)
 
 
-# The ring's depths are swept on the first five families; the later ones (DeepSeek-V3's mixture with
-# its dense first layer, and GLM-4.5's, the same under other attention) bring layouts, not schedules:
-# depth 2 (reads ahead, guesses) keeps the suite short.
-DEPTH_2_ONLY = {"deepseek_v3", "glm4_moe"}
+# What a GPU does alike for every family, on three of its layouts: experts fused, transposed with
+# biases, and beside a shared expert and a dense first layer.
+ON_A_GPU_ALIKE = ["mixtral", "gpt_oss", "deepseek_v3"]
 
 
-def sweep(layout, depth: int) -> None:
-    if depth != 2 and json.loads((layout / "config.json").read_text())["model_type"] in DEPTH_2_ONLY:
-        pytest.skip("depth 2 only for this family: the ring's depths are swept on the first five")
+# Every family at depth 2 (reads ahead, guesses); the ring's other depths on a few: the later
+# families bring layouts (fused, transposed, shared experts, a dense first layer), not schedules.
+def depths(swept: tuple[str, ...]) -> list:
+    return [pytest.param(arch, 2, id=f"{arch}-2") for arch in MOE_SHAPES] + [
+        pytest.param(arch, depth, id=f"{arch}-{depth}") for arch in swept for depth in (1, 4)]
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4])
+@pytest.mark.parametrize("tiny, depth", depths(("mixtral", "qwen2_moe", "gpt_oss")), indirect=["tiny"])
 @pytest.mark.parametrize("setup", ["nvme", "cpu"])
 def test_moe_generation_streamed_per_expert_equals_transformers(tiny, setup, depth):
-    sweep(tiny[0], depth)
     check_equal(tiny, SETUPS[setup], depth, "cpu")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("depth", [1, 2, 4])
+@pytest.mark.parametrize("tiny, depth", depths(("mixtral",)), indirect=["tiny"])
 @pytest.mark.parametrize("setup", ["nvme", "cpu"])
 def test_moe_generation_on_a_gpu_copies_only_routed_experts_and_equals_transformers(tiny, setup, depth, gpu):
     """From host memory too: a GPU copies the dense part and the routed experts only, every layer
     through the ring (no GPU memory for resident layers), each expert copied into its own byte range
     of the slot, which the simulated device's ledger checks range by range."""
     layout, _ = tiny
-    sweep(layout, depth)
     layers = [b.name for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.")]
 
     def every_layer_per_expert(lm):
@@ -173,6 +172,7 @@ def test_guessed_experts_read_ahead_leave_the_tokens_unchanged(tiny, monkeypatch
         assert_same_generation(reference("cpu")[0], greedy(lm, SINGLE, NEW_TOKENS, logits=True))
 
 
+@pytest.mark.parametrize("tiny", ON_A_GPU_ALIKE, indirect=True)
 def test_generate_on_a_simulated_gpu_saying_cuda_decodes_with_the_experts_implementation_it_was_built_with(tiny):
     """The simulated device in its reports_cuda mode: transformers sees a model on "cuda" and takes
     its GPU branches, the decode-time swap among them; every forward still runs what the model was
@@ -271,6 +271,7 @@ def test_the_expert_cache_serves_experts_read_before(tiny):
         assert 0 < counts.cache_hits < counts.cache_lookups
 
 
+@pytest.mark.parametrize("tiny", ON_A_GPU_ALIKE, indirect=True)
 def test_on_a_gpu_the_expert_cache_pins_nothing_while_generating(tiny):
     """Its entries are only ever copied from on the host (a hit lands in the slot's pinned read
     buffer first): pinning each as it is made would register memory on the hot path. (The ledger
