@@ -473,6 +473,8 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], pa
 def drop_cached(paths: list[Path]) -> bool:
     """Evicts the files from the page cache (fadvise works without root on clean pages), and drops
     the whole cache where allowed; says whether the latter worked."""
+    from zerolite.planner.machine import drop_page_cache
+
     for path in paths:
         with contextlib.suppress(OSError):
             fd = os.open(path, os.O_RDONLY)
@@ -480,12 +482,7 @@ def drop_cached(paths: list[Path]) -> bool:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    return drop_page_cache()
 
 
 def disk_read_rate(path: Path, limit_s: float) -> dict:
