@@ -203,6 +203,6 @@ def time_decode(model: nn.Module, clock: LayerClock, rows: int, generator: torch
 def carried(output) -> dict:
     """The output's cache as the next step takes it (zerolite.hf.cache_keyword), or RWKV's `state`.
     A model that returns neither keeps its state in its modules (RecurrentGemma) and starts it
-    afresh at a call without a cache: its steps are then one-token prompts, the same work bar attention's few
-    cached positions."""
+    afresh at a call without a cache: its steps are then one-token prompts, the same work bar
+    attention's few cached positions."""
     return {name: output[name] for name in (cache_keyword(), "state") if output.get(name) is not None}

@@ -80,10 +80,16 @@ def value(key: str, under: str | None = None):
 
 def file_system(folder: str | os.PathLike) -> str:
     """The key a disk's rate is kept under: the device number of the file system holding folder."""
-    target = Path(folder).expanduser()
+    return str(nearest_existing(folder).stat().st_dev)
+
+
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """path, or where a path not made yet will be made: the nearest folder above it that exists
+    (on the same disk as a rule)."""
+    target = Path(path).expanduser()
     while not target.exists():
         target = target.parent
-    return str(target.stat().st_dev)
+    return target
 
 
 def compute_key(device: Device, dtype: torch.dtype) -> str:

@@ -18,6 +18,7 @@ from zerolite.convert.writer import choose_dtype
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import DTYPES, MANIFEST
+from zerolite.planner.measurements import nearest_existing
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class ModelSource:
             layout = Layout.open(source)
             weights = (layout.manifest.quantization or {}).get("weights", "stored")
             return cls(str(source), AutoConfig.from_pretrained(layout.side_folder), DTYPES[layout.manifest.dtype], weights,
-                       existing(path) if path else layout.read_paths[0])
+                       nearest_existing(path) if path else layout.read_paths[0])
         folder = resolve_model_folder(source if model is None else model)
         try:
             config = AutoConfig.from_pretrained(folder)
@@ -45,14 +46,5 @@ class ModelSource:
             files = find_weight_files(folder)[0]
         except ZeroliteError:
             files = ()  # a config alone: the disk is measured in the folder (--path, or the model's)
-        target = existing(path) if path else max(files, key=lambda f: f.stat().st_size) if files else folder
+        target = nearest_existing(path) if path else max(files, key=lambda f: f.stat().st_size) if files else folder
         return cls(str(model or source.stem), config, choose_dtype(dtype, config), None, target)
-
-
-def existing(path: Path) -> Path:
-    """Where a --path not made yet is measured: the nearest folder above it that exists (the layout
-    is made there, on the same disk as a rule)."""
-    path = Path(path).expanduser()
-    while not path.exists():
-        path = path.parent
-    return path
