@@ -23,10 +23,10 @@ LAYERS = [
     ("quant",),
     ("moe",),
     ("convert",),
-    ("dist",),
+    ("distributed",),
     ("runtime",),
     ("planner",),
-    ("spec",),
+    ("speculative",),
     ("lm",),
     ("generate",),
     ("serve",),
@@ -136,6 +136,21 @@ def test_the_package_has_rooms_and_few_modules_at_the_top():
     rooms = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()]
     assert len(top) <= 14, sorted(top)
     assert len(rooms) >= 8, sorted(rooms)
+
+
+# Folder names that common tools pass over without a word: Python's standard .gitignore ignores them at
+# any depth, ruff's and black's default excludes skip them, and code-map tools read spec/ and tests/ as
+# tests. A room named like one of these would drop out of commits, lint runs or maps.
+IGNORED_FOLDER_NAMES = {
+    "build", "develop-eggs", "dist", "downloads", "eggs", "lib", "lib64", "parts", "sdist", "var", "wheels",
+    "htmlcov", "env", "venv", "ENV", "instance", "target", "site", "cython_debug", "__pypackages__",
+    "_build", "buck-out", "node_modules", "site-packages", "spec", "specs", "test", "tests",
+}
+
+
+def test_no_room_is_named_like_a_folder_tools_ignore():
+    folders = {p.name for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    assert folders & IGNORED_FOLDER_NAMES == set()
 
 
 def test_torch_cuda_only_in_the_device_module():

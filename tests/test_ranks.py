@@ -26,7 +26,7 @@ from cli_runner import run
 from helpers import generate_args, lines_by_id
 from simulated_device import SimulatedDevice
 from zerolite.errors import ZeroliteError
-from zerolite.dist.world import World, failed_line
+from zerolite.distributed.world import World, failed_line
 from zerolite.io.device import CudaDevice, resolve
 from zerolite.runtime.loader import rank_device, shared_gpu
 from zerolite.runtime.policy import Policy

@@ -13,13 +13,13 @@ import torch
 
 import zerolite
 import zerolite.lm
-import zerolite.spec.draft
+import zerolite.speculative.draft
 from cli_runner import assert_one_line_error, run, run_tool
 from helpers import greedy
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
 from zerolite.quant.linear import Int8Linear
-from zerolite.spec.decoding import LONGEST_DRAFT, DraftLength, judge
+from zerolite.speculative.decoding import LONGEST_DRAFT, DraftLength, judge
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 PROMPT = torch.tensor([[5, 17, 33, 9, 44, 61, 70]])
@@ -256,7 +256,7 @@ def test_generate_with_a_draft_says_how_many_tokens_each_pass_made(capsys, monke
 
 
 def test_a_draft_larger_than_the_memory_left_is_one_clear_error(capsys, monkeypatch, make_layout):
-    monkeypatch.setattr(zerolite.spec.draft, "memory_left", lambda device: (1000, "host memory"))
+    monkeypatch.setattr(zerolite.speculative.draft, "memory_left", lambda device: (1000, "host memory"))
     result = run(capsys, monkeypatch, "generate", "hi", "--model", make_layout(), "--device", "cpu",
                  "--draft", str(make_layout(layers=2, seed=1)))
     assert_one_line_error(result, "holds", "more than the 0.00 GB of host memory left", "smaller model")

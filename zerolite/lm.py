@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.convert.resolve import ensure_layout
-from zerolite.dist.world import SINGLE, World
+from zerolite.distributed.world import SINGLE, World
 from zerolite.errors import ZeroliteError
 from zerolite.hf import cache_keyword, load_tokenizer, quiet_transformers
 from zerolite.io.device import Device
@@ -34,8 +34,8 @@ from zerolite.runtime.loader import build_executor, open_layout, rank_device
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy, parse_size
 from zerolite.runtime.timeline import NO_TIMELINE, Timeline
-from zerolite.spec.decoding import Speculator, speculative_decoding
-from zerolite.spec.draft import (
+from zerolite.speculative.decoding import Speculator, speculative_decoding
+from zerolite.speculative.draft import (
     SELF_DRAFTS,
     check_draft_fits,
     check_same_vocabulary,
@@ -68,7 +68,7 @@ class OffloadedLM:
         self.tokenizer = tokenizer
         self.load_s = load_s
         self.convert_s = convert_s
-        self.draft = draft  # held resident; generate drafts with it (zerolite.spec.draft, zerolite.spec.decoding)
+        self.draft = draft  # held resident; generate drafts with it (zerolite.speculative.draft, zerolite.speculative.decoding)
         self.speculator = Speculator(draft.model, executor.timeline, draft_step_s) if draft is not None else None
 
     @property
@@ -258,15 +258,15 @@ def load(
     None means the built-in SmolLM2-135M-Instruct. timeline, if given, records what the executor
     does (zerolite profile). draft: a layout or checkpoint sharing the model's tokenizer, or
     "self-int4" / "self-int8" (with draft_group_size), held resident to draft for speculative
-    decoding at batch 1 (zerolite.spec.draft). weights: "int8" or "int4" runs a checkpoint converted
+    decoding at batch 1 (zerolite.speculative.draft). weights: "int8" or "int4" runs a checkpoint converted
     so (once, into a folder of its own; a layout given must hold them), "stored" or None its own
     precision. The remaining keywords are Policy fields (prefetch_depth, gpu_memory,
     cpu_memory (bytes, or sizes such as "24GB"), kv_offload, io_backend, ...).
 
     Under torchrun (world: default from the environment) every rank calls load alike: each runs
     on its own device (cuda is the GPU of its LOCAL_RANK), the ranks of a node share one copy of
-    the host-memory tier (zerolite.dist.node_copy), all make the same plan, and a failure on any rank
-    raises on every rank (zerolite.dist.world).
+    the host-memory tier (zerolite.distributed.node_copy), all make the same plan, and a failure on any rank
+    raises on every rank (zerolite.distributed.world).
     """
     quiet_transformers()
     world = World.from_env() if world is None else world
@@ -351,7 +351,7 @@ def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> No
 
 def load_draft(spec: str, group_size: int | None, target: Layout, tokenizer, device: Device,
                show_progress: bool) -> OffloadedLM:
-    """The draft of speculative decoding, held whole on the model's device (zerolite.spec.draft)."""
+    """The draft of speculative decoding, held whole on the model's device (zerolite.speculative.draft)."""
     folder = draft_layout(spec, target, group_size, show_progress)
     check_same_vocabulary(tokenizer, AutoConfig.from_pretrained(target.side_folder), folder)
     check_draft_fits(Layout.open(folder), device)

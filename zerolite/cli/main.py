@@ -19,7 +19,7 @@ from zerolite.cli import (  # noqa: F401 (each registers its commands with app)
 )
 from zerolite.cli.app import app
 from zerolite.cli.options import flag_words
-from zerolite.dist.world import RankFailed
+from zerolite.distributed.world import RankFailed
 from zerolite.errors import ZeroliteError, describe
 
 

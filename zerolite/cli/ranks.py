@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zerolite.cli.options import flag
-from zerolite.dist.world import World
+from zerolite.distributed.world import World
 from zerolite.errors import ZeroliteError
 
 # What rank 0 alone reads and writes under torchrun: the other ranks' values of these are not used.

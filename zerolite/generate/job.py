@@ -15,7 +15,7 @@ import os
 from contextlib import ExitStack
 from pathlib import Path
 
-from zerolite.dist.world import World
+from zerolite.distributed.world import World
 from zerolite.generate.outputs import CompletionLog
 from zerolite.generate.prompts import Prompt, read_prompts
 from zerolite.generate.run import RunStats, generate_all

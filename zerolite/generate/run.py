@@ -25,7 +25,7 @@ from zerolite.moe.counts import ExpertCounts
 from zerolite.progress import token_progress
 from zerolite.runtime.batching import largest_batch
 from zerolite.sampling import Sampling
-from zerolite.spec.decoding import SpeculationStats
+from zerolite.speculative.decoding import SpeculationStats
 from zerolite.text import (
     PromptError,
     check_ids,

@@ -24,8 +24,8 @@ from transformers import AutoConfig, GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from zerolite.convert.checkpoint import build_meta_model
-from zerolite.dist.node_copy import NodeCopy
-from zerolite.dist.world import SINGLE, World
+from zerolite.distributed.node_copy import NodeCopy
+from zerolite.distributed.world import SINGLE, World
 from zerolite.hf import keep_experts_implementation, skip_rescaling_by_one
 from zerolite.io.device import Device
 from zerolite.io.engine import IoEngine, aligned_empty

@@ -4,7 +4,7 @@ one plan, the preflight, and the executor.
     layout, device = open_layout(folder, dtype), rank_device(policy, world)
     executor = build_executor(layout, policy, device, world, show_progress, timeline)
 
-Every rank of a torchrun job calls these alike. Ranks agree through zerolite.dist.world's gathers,
+Every rank of a torchrun job calls these alike. Ranks agree through zerolite.distributed.world's gathers,
 which pair up by their order alone: the gathers here must come in the same order on every rank,
 and reordering them hangs the job.
 """
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 
 from zerolite.convert.writer import choose_dtype
-from zerolite.dist.world import World
+from zerolite.distributed.world import World
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device, cuda_available, cuda_device_count, resolve
 from zerolite.layout.folder import Layout

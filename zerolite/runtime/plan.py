@@ -89,7 +89,7 @@ class Plan:
     def in_host(self, separate_memory: bool) -> tuple[str, ...]:
         """The blocks whose bytes host memory holds while the model runs: the layers kept there
         and, where host memory is the device's, the resident blocks too. A node's ranks share one
-        copy of them (zerolite.dist.node_copy)."""
+        copy of them (zerolite.distributed.node_copy)."""
         return self.in_memory + (() if separate_memory else self.resident)
 
     @property

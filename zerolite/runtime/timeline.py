@@ -22,7 +22,7 @@ TRACKS = ("step", "read", "read wait", "copy", "wait", "compute", "draft")
 """"wait" is compute waiting for a block's bytes (on a GPU, the device-side stall, the device's idle
 while the host waits for the disk included); "read wait" is the host waiting for the disk, on a
 GPU, where the host queues compute and does not compute;
-"draft" is a speculative draft guessing the tokens the next step checks (zerolite.spec.decoding)."""
+"draft" is a speculative draft guessing the tokens the next step checks (zerolite.speculative.decoding)."""
 
 
 @dataclass(frozen=True)

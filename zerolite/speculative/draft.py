@@ -11,7 +11,7 @@ needed. A self-draft is bf16, the dtype the CPU int4 and int8 kernels run fast i
 are far slower). int4 is in groups of 32 by default: a draft is read from memory, so the finer
 groups' scales cost little, while every guess the target rejects costs a round, and the finer the
 groups, the more often the draft's top token is the target's (a model converted from a GGUF whose
-own groups are 32 wide keeps them exactly at 32). zerolite.spec.decoding runs the rounds of
+own groups are 32 wide keeps them exactly at 32). zerolite.speculative.decoding runs the rounds of
 guessing and checking.
 """
 
@@ -35,7 +35,7 @@ from zerolite.quant.linear import Int8Linear
 from zerolite.quant.quantize import SCALE_SUFFIX, quantize_int8
 from zerolite.runtime.budget import reserve
 from zerolite.runtime.policy import Policy
-from zerolite.spec.decoding import LONGEST_DRAFT, one_thread
+from zerolite.speculative.decoding import LONGEST_DRAFT, one_thread
 
 SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
 DRAFT_GROUP_SIZE = 32

@@ -27,7 +27,7 @@ from zerolite.io.device import Device
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT, align_up
 from zerolite.layout.store import DiskStore, MemoryStore
-from zerolite.dist.world import World
+from zerolite.distributed.world import World
 
 
 class NodeCopy(MemoryStore):
