@@ -142,7 +142,7 @@ class OneProcessWorld(World):
     def start(self) -> None:
         pass
 
-    def together(self, step, what):
+    def all_gather(self, step, what):
         mine = step()
         return [mine, *self.gpus] if what == "finding the GPUs" else [mine] * self.size
 

@@ -275,12 +275,12 @@ def load(
     for budget in ("gpu_memory", "cpu_memory"):
         if isinstance(policy.get(budget), str):
             policy[budget] = parse_size(policy[budget], f"`{budget}`")
-    policy = world.each(lambda: Policy(offload=offload, device=device, **policy), "checking the arguments")
+    policy = world.run_on_all(lambda: Policy(offload=offload, device=device, **policy), "checking the arguments")
     started = time.perf_counter()
     # The node's first rank converts (if need be) before the others open what it wrote.
-    converted = world.each(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress, weights) if world.local_rank == 0
+    converted = world.run_on_all(lambda: ensure_layout(model, path, dtype, allow_pickle, show_progress, weights) if world.local_rank == 0
                            else None, "converting the model")
-    layout_folder = world.each(lambda: converted or ensure_layout(model, path, dtype, allow_pickle, show_progress, weights),
+    layout_folder = world.run_on_all(lambda: converted or ensure_layout(model, path, dtype, allow_pickle, show_progress, weights),
                                "opening the layout")
     convert_s = time.perf_counter() - started
 
@@ -305,9 +305,9 @@ def load(
             guess_s = draft_step_s(draft_lm)
             return dataclasses.replace(policy, prefetch_depth=ring_depth(policy, layout, draft_lm, guess_s))
 
-        world.each(prepare, "opening the layout")
+        world.run_on_all(prepare, "opening the layout")
         if draft is not None:  # the node's first rank makes a self-draft's layout, as it converted the model's
-            world.each(lambda: draft_layout(str(draft), layout, draft_group_size, show_progress)
+            world.run_on_all(lambda: draft_layout(str(draft), layout, draft_group_size, show_progress)
                        if world.local_rank == 0 else None, "making the draft")
         executor = build_executor(layout, policy, target, world, show_progress, timeline or NO_TIMELINE,
                                   draft_first if draft is not None else None)

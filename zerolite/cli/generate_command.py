@@ -77,7 +77,7 @@ def generate(
             return
         batch = 1 if draft is not None else options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
         if batch is not None:  # before minutes of loading (auto sizes are checked once known)
-            world.each(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
+            world.run_on_all(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
         chosen_batch, planned = None, None
         if world.size == 1 and draft is None and load["offload"] == "nvme" and None in (batch, load["cpu_memory"], load["prefetch_depth"]):
             chosen_batch, load, planned = plan_the_job(load, [p for p in todo if p.id not in done], max_new_tokens, batch)

@@ -65,7 +65,7 @@ def profile(
         report = profile_run(lm, timeline, batch_size, new_tokens, prompt_tokens)
         if world.leads:
             record_machine(lm, report)
-        every = world.together(lambda: report.to_dict(), "profiling")
+        every = world.all_gather(lambda: report.to_dict(), "profiling")
     if not world.leads:
         return
     if trace is not None:

@@ -15,8 +15,8 @@ def start_world(arguments: dict):
     given the arguments rank 0 was."""
     world = World.from_env()
     world.start()
-    given = world.together(lambda: arguments, "starting")
-    world.each(lambda: same_arguments(given), "checking the arguments")
+    given = world.all_gather(lambda: arguments, "starting")
+    world.run_on_all(lambda: same_arguments(given), "checking the arguments")
     return world
 
 

@@ -35,7 +35,7 @@ def serve(
     """Serve the model over OpenAI's API: concurrent requests share each pass over the weights."""
     given = {**{k: v for k, v in locals().items() if k != "load"}, **load}
     world = start_world(given)
-    world.each(lambda: refuse_ranks(world.size), "starting")
+    world.run_on_all(lambda: refuse_ranks(world.size), "starting")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

@@ -63,7 +63,7 @@ class NodeCopy(MemoryStore):
             MemoryStore.load(disk, names, allocator(mine, offsets), progress)
             return world.node, os.getpid(), fd, total / max(time.perf_counter() - started, 1e-9) / 1e9
 
-        copies = world.together(read if world.local_rank == 0 else lambda: None, "reading the node's host copy")
+        copies = world.all_gather(read if world.local_rank == 0 else lambda: None, "reading the node's host copy")
         node, pid, fd, gbps = next(copy for copy in copies if copy is not None and copy[0] == world.node)
 
         def attach() -> None:
@@ -79,7 +79,7 @@ class NodeCopy(MemoryStore):
                 finally:
                     os.close(theirs)
 
-        world.each(attach, "mapping the node's host copy")
+        world.run_on_all(attach, "mapping the node's host copy")
         if world.local_rank == 0:
             os.close(fd)
         return cls({name: mine[offset:offset + disk.entry(name).length] for name, offset in offsets.items()}, gbps)

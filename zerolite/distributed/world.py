@@ -3,14 +3,15 @@ every rank learns every rank's result, or which rank failed and why.
 
     world = World.from_env()             # torchrun's RANK, WORLD_SIZE, LOCAL_RANK, ... (one rank without them)
     world.start()                        # the process group (gloo: small messages, on any device)
-    sizes = world.together(lambda: measure(), "measuring")   # [rank 0's, rank 1's, ...] on every rank
-    plan = world.each(lambda: make_plan(), "planning")       # this rank's, once every rank has one
+    sizes = world.all_gather(lambda: measure(), "measuring")     # [rank 0's, rank 1's, ...] on every rank
+    plan = world.run_on_all(lambda: make_plan(), "planning")     # this rank's, once every rank has one
+    todo = world.from_rank0(lambda: read_prompts(), "reading")   # rank 0's, handed to every rank
 
-A rank that raises inside together still takes part in the gather, carrying its error, so no rank
+A rank that raises inside all_gather still takes part in the gather, carrying its error, so no rank
 waits forever on one that failed: every rank then raises RankFailed, naming the rank. A rank that
-failed before reaching a nested together sends its error with the next one it reaches; the others
+failed before reaching a nested all_gather sends its error with the next one it reaches; the others
 meet it there (gathers pair up by order), so the failure is known everywhere at one gather and no
-gather follows it. Only together talks between ranks: a barrier or broadcast of its own would
+gather follows it. Only all_gather talks between ranks: a barrier or broadcast of its own would
 break that pairing.
 
 Data parallel moves completions and counts, a few KB per batch: gloo carries them on any device,
@@ -108,7 +109,7 @@ class World:
             # and freeing them during finalization aborts the process (SIGABRT), now and then.
             atexit.register(leave_group)
 
-    def together(self, step: Callable[[], T], what: str) -> list[T]:
+    def all_gather(self, step: Callable[[], T], what: str) -> list[T]:
         """Runs step here, then returns every rank's result, in rank order, on every rank; or,
         where step raised on any rank, raises RankFailed there and everywhere else."""
         if not self.distributed:
@@ -132,15 +133,15 @@ class World:
             raise RankFailed(failed_line(failures, self.size, what), self)
         return [value for value, _, _ in gathered]
 
-    def each(self, step: Callable[[], T], what: str) -> T:
+    def run_on_all(self, step: Callable[[], T], what: str) -> T:
         """Runs step on every rank and returns this rank's result: only failures travel."""
         mine = []
-        self.together(lambda: mine.append(step()), what)
+        self.all_gather(lambda: mine.append(step()), what)
         return mine[0]
 
-    def first(self, step: Callable[[], T], what: str) -> T:
+    def from_rank0(self, step: Callable[[], T], what: str) -> T:
         """step's result on rank 0, handed to every rank (the others run nothing)."""
-        return self.together(step if self.leads else lambda: None, what)[0]
+        return self.all_gather(step if self.leads else lambda: None, what)[0]
 
 
 def failed_line(failures: list[tuple[int, str, str]], size: int, what: str) -> str:

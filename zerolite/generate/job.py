@@ -33,7 +33,7 @@ def open_job(world: World, stack: ExitStack, read, output: Path | None) -> tuple
         log = stack.enter_context(CompletionLog.open(output)) if output is not None else None
         return todo, set(log.done) if log is not None else set()
 
-    todo, done = world.first(start, "reading the prompts")
+    todo, done = world.from_rank0(start, "reading the prompts")
     return todo, done, log
 
 

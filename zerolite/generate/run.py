@@ -178,13 +178,13 @@ def generate_all(
             raise ZeroliteError(f"`batch_size` must be at least 1, got {batch_size}")
         encoded = encode(lm, prompts, sampling.chat)
         check_context(lm, prompts, encoded, sampling.max_new_tokens)
-        size = batch_size or min(world.together(  # the largest every rank's memory holds
+        size = batch_size or min(world.all_gather(  # the largest every rank's memory holds
             lambda: largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens), "choosing the batch size"))
         size = min(size, batch_cap or size)
         batches = [range(start, min(start + size, len(prompts))) for start in range(0, len(prompts), size)]
         check_work(len(prompts), size, world.size)
 
-    world.each(prepare, "preparing the prompts")
+    world.run_on_all(prepare, "preparing the prompts")
     batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
     running = [i for rows in batches for i in rows]
     if running:
@@ -205,7 +205,7 @@ def generate_all(
                 rows = deal[world.rank] if world.rank < len(deal) else None
                 return run_batch(lm, prompts, encoded, rows, sampling, config, stats, progress) if rows else None
 
-            for rank, result in enumerate(world.together(run_mine, "generating")):
+            for rank, result in enumerate(world.all_gather(run_mine, "generating")):
                 if result is not None and world.leads:
                     completions, tokens = result
                     if rank != world.rank:
@@ -220,7 +220,7 @@ def generate_all(
     stats.peak_device_bytes = lm.device.peak_allocated()
     if not world.distributed:
         return stats
-    every = world.together(lambda: stats, "adding up")
+    every = world.all_gather(lambda: stats, "adding up")
     return RunStats.across(every) if world.leads else stats
 
 

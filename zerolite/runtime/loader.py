@@ -80,11 +80,11 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
             policy = held_first()
         return Budgets.make(layout.manifest, policy, device, world.local_size, ranks_on_gpu)
 
-    measured = world.together(budget, "loading")
+    measured = world.all_gather(budget, "loading")
     budgets = Budgets(min(b.device for b in measured), min(b.host for b in measured))
     plan = Plan.make(layout.manifest, policy, budgets, device.pinned_cost, world.local_size,
                      resident_dense(layout, device, policy), device.separate_memory)
-    warnings = world.each(lambda: preflight(layout, plan, policy, device, world.local_size, ranks_on_gpu),
+    warnings = world.run_on_all(lambda: preflight(layout, plan, policy, device, world.local_size, ranks_on_gpu),
                           "checking memory")
     for warning in warnings if world.leads else ():
         print(f"zerolite: warning: {warning}", file=sys.stderr)
@@ -97,7 +97,7 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
             built.append(Executor(layout, policy, plan, device, progress, timeline, world))
 
     try:
-        world.each(execute, "loading")
+        world.run_on_all(execute, "loading")
     except BaseException:
         for executor in built:
             executor.close()
@@ -114,7 +114,7 @@ def shared_gpu(device: Device, world: World) -> int:
     each see a whole GPU free, and each would plan to fill it."""
     if not world.distributed:
         return 1
-    identities = world.together(device.identity, "finding the GPUs")
+    identities = world.all_gather(device.identity, "finding the GPUs")
     mine = identities[world.rank]
     return identities.count(mine) if mine is not None else 1
 
