@@ -75,12 +75,12 @@ def refill_waits_for_copy(sim, lm):
 
 
 def compute_waits_for_kv_fetch(sim, lm):
-    fetches, _ = lm.executor.kv_streams
+    fetches, _ = lm.parts.caches.streams
     sim.skipped_waits.append(lambda stream, event: stream is sim.compute and event.stream is fetches)
 
 
 def kv_fetch_waits_for_appends(sim, lm):
-    fetches, appends = lm.executor.kv_streams
+    fetches, appends = lm.parts.caches.streams
     sim.skipped_waits.append(lambda stream, event: stream is fetches and event.stream is appends)
 
 

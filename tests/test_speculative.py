@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zerolite
-import zerolite.lm
+import zerolite.hf
 import zerolite.speculative.draft
 from cli_runner import assert_one_line_error, run, run_tool
 from helpers import greedy
@@ -59,7 +59,7 @@ def test_rejected_guesses_are_rolled_back_past_a_sliding_window(arch, make_layou
     keeps what a rollback needs only while it records its past (transformers' assisted decoding
     turns that on too), and each round's crop trims it back."""
     layout, other = make_layout(arch, layers=4), make_layout(arch, layers=2, seed=1)
-    if not zerolite.lm.SLIDING_CACHE_REWINDS:  # transformers up to 5.17 (the GPU machines' image)
+    if not zerolite.hf.sliding_cache_rewinds():  # transformers up to 5.17 (the GPU machines' image)
         with pytest.raises(ZeroliteError, match="sliding-window layers"):
             plain_and_drafted(layout, str(other), device="cpu", offload="nvme", cpu_memory=0)
         return
@@ -70,7 +70,7 @@ def test_rejected_guesses_are_rolled_back_past_a_sliding_window(arch, make_layou
 def test_before_transformers_5_18_a_draft_for_a_sliding_window_model_is_refused(make_layout, monkeypatch):
     """Up to 5.17 a sliding window's cache cannot be rewound (its next pass fails in attention):
     refused in one line before loading, naming the release that can."""
-    monkeypatch.setattr(zerolite.lm, "SLIDING_CACHE_REWINDS", False)
+    monkeypatch.setattr(zerolite.hf, "sliding_cache_rewinds", lambda: False)
     with pytest.raises(ZeroliteError, match=r"sliding-window layers.*transformers>=5.18"):
         zerolite.load(make_layout("gemma2"), draft="self-int8", device="cpu", show_progress=False)
 

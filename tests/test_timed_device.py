@@ -54,9 +54,9 @@ def run_timed(layout, rates: Rates = H100, rows: int = 1, kv_gb_per_layer: float
         with zerolite.load(layout, device=device, show_progress=False, **policy) as lm:
             executor = lm.executor
             device.scale[executor.slots.copy_stream.name] = LAYER_BYTES / tiny_layer
-            if executor.kv_streams is not None:
+            if lm.parts.caches.streams is not None:
                 kv_tiny = kv_tiny_bytes(lm.model.config) * len(PROMPT)
-                device.scale[executor.kv_streams[0].name] = kv_gb_per_layer * 1e9 / kv_tiny
+                device.scale[lm.parts.caches.streams[0].name] = kv_gb_per_layer * 1e9 / kv_tiny
             ends, layers_from, layers_to = [], [], []
             hooks = [lm.model.get_submodule(module_path(manifest.layers_path, f"layers.{i}")).register_forward_pre_hook(
                 lambda *_: device.kernel(flops=2 * rows * LAYER_WEIGHTS, nbytes=2 * LAYER_WEIGHTS)) for i in range(LAYERS)]

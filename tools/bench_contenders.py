@@ -12,6 +12,7 @@ reports when it was ready, its prefill and decode step times, and the tokens (co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -60,15 +61,16 @@ def zerolite_in_place_default(args):
 def zerolite_in_place_planned(args):
     """In place with the host budget and prefetch depth zerolite generate takes for this job (zerolite plan's search:
     args.batch_size prompts of args.prompt_tokens, args.new_tokens each); prepare_s: the planning."""
-    import zerolite
+    import zerolite.lm
     from zerolite.planner.for_job import choose_for_job
+    from zerolite.runtime.load_spec import LoadSpec
 
-    load = dict(model=args.source, path=os.path.join(args.scratch, "in-place"), offload="nvme", cpu_memory=None)
+    spec = LoadSpec(model=args.source, path=os.path.join(args.scratch, "in-place"), offload="nvme", device=args.device)
     started = time.perf_counter()
-    best = choose_for_job(load, args.batch_size, args.prompt_tokens, args.new_tokens, args.batch_size, args.device).best
+    best = choose_for_job(spec, args.batch_size, args.prompt_tokens, args.new_tokens, args.batch_size, args.device).best
     prepare_s = time.perf_counter() - started
-    lm = zerolite.load(**{**load, "cpu_memory": best.cpu_memory}, prefetch_depth=best.candidate.prefetch_depth,
-                       device=args.device, show_progress=False)
+    spec = dataclasses.replace(spec, cpu_memory=best.cpu_memory, prefetch_depth=best.candidate.prefetch_depth)
+    lm = zerolite.lm.load_spec(spec, show_progress=False)
     return lm, {**zerolite_measures(lm), "prepare_s": lambda: prepare_s}
 
 

@@ -38,7 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 from zerolite.convert.resolve import ensure_layout
-from zerolite.lm import load_draft
+from zerolite.lm.loading import load_draft
+from zerolite.runtime.opening import Opened
 from zerolite.generate.run import encode
 from zerolite.generate.prompts import Prompt
 from zerolite.planner.machine import drop_page_cache
@@ -162,7 +163,7 @@ def agreement(lm, draft: str, group_size: int | None, encoded: list[list[int]], 
     and what that allows: with each guess kept with probability a, no draft length gives more than
     1 / (1 - a) tokens per pass over the weights, however cheap the guesses."""
     same = total = 0
-    with load_draft(draft, group_size, lm.layout, lm.tokenizer, lm.device, False) as draft_lm:
+    with load_draft(draft, group_size, Opened(lm.layout, lm.device, lm.tokenizer), False) as draft_lm:
         for i, ids in sequences.items():
             new = slice(len(encoded[int(i)]) - 1, ids.shape[1] - 1)  # the positions that predict new tokens
             guessed = logits_of(draft_lm.model, ids)[new].argmax(-1)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -14,6 +15,9 @@ from zerolite.cli.plan_summary import show_plan
 from zerolite.cli.ranks import RANK_ZEROS_OWN, start_world
 from zerolite.errors import ZeroliteError
 from zerolite.progress import stderr
+
+if TYPE_CHECKING:
+    from zerolite.runtime.load_spec import LoadSpec
 
 DEFAULT_BATCH_SIZE = "8"
 
@@ -37,7 +41,6 @@ def generate(
 ) -> None:
     """Generate text with a model streamed from NVMe or CPU memory (under torchrun, on every rank)."""
     given = {**{k: v for k, v in locals().items() if k != "load"}, **load}
-    draft = load["draft"]
     import json
 
     from zerolite.convert.writer import write_atomically
@@ -48,6 +51,8 @@ def generate(
     from zerolite.sampling import Sampling
 
     world = start_world({k: v for k, v in given.items() if k not in RANK_ZEROS_OWN})
+    spec = options.load_spec(load)
+    draft = spec.draft
 
     def sampling() -> Sampling:
         return Sampling(max_new_tokens, sample, temperature, top_p, top_k, seed=seed, chat=chat)
@@ -79,9 +84,9 @@ def generate(
         if batch is not None:  # before minutes of loading (auto sizes are checked once known)
             world.run_on_all(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
         chosen_batch, planned = None, None
-        if world.size == 1 and draft is None and load["offload"] == "nvme" and None in (batch, load["cpu_memory"], load["prefetch_depth"]):
-            chosen_batch, load, planned = plan_the_job(load, [p for p in todo if p.id not in done], max_new_tokens, batch)
-        lm = stack.enter_context(options.load_model(load, world=world))
+        if world.size == 1 and draft is None and spec.offload == "nvme" and None in (batch, spec.cpu_memory, spec.prefetch_depth):
+            chosen_batch, spec, planned = plan_the_job(spec, [p for p in todo if p.id not in done], max_new_tokens, batch)
+        lm = stack.enter_context(options.load_model(spec, world=world))
 
         def show(batch) -> None:
             if log is not None:
@@ -119,34 +124,34 @@ def generate(
                      f"{spec.target_s:.2f} s in the model's passes[/dim]", soft_wrap=True)
 
 
-def plan_the_job(load: dict, prompts: list, new_tokens: int, batch: int | None) -> tuple[int | None, dict, str | None]:
+def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int, batch: int | None) -> tuple[int | None, LoadSpec, str | None]:
     """zerolite plan's search for this job, for what the user left open: the batch (auto), the
-    host budget and the prefetch depth. Returns the batch it chose (None where it was given), load with the budget set,
-    and a line saying so. Where the planner cannot say (no config it can read, a model it thinks
+    host budget and the prefetch depth. Returns the batch it chose (None where it was given), a new
+    LoadSpec with the budget and depth it chose, and a line saying so. Where the planner cannot say (no config it can read, a model it thinks
     cannot fit, or a fault of its own), the defaults stand: the loader's own checks have the last word."""
     from zerolite.planner.for_job import choose_for_job
     from zerolite.runtime.policy import Policy
 
     longest = max((len(p.input_ids) if p.input_ids is not None else len(p.text or "") // 3 + 1 for p in prompts), default=1)
     try:
-        Policy(device=load["device"])
+        Policy(device=spec.device)
     except ZeroliteError:
-        return None, load, None  # the loader says what is wrong with it
+        return None, spec, None  # the loader says what is wrong with it
     try:
-        best = choose_for_job(load, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), load["device"]).best
+        best = choose_for_job(spec, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), spec.device).best
     except Exception as e:  # noqa: BLE001 - a plan is advice: whatever stops it, the run goes on with the defaults
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return None, load, f"plan: none for this job ({reason}); the default budgets stand"
+        return None, spec, f"plan: none for this job ({reason}); the default budgets stand"
     c = best.candidate
     chosen = []
     if batch is None:
         chosen.append(f"batch {c.batch_size}")
-    if load["cpu_memory"] is None:
-        load = {**load, "cpu_memory": best.cpu_memory}
+    if spec.cpu_memory is None:
+        spec = dataclasses.replace(spec, cpu_memory=best.cpu_memory)
         chosen.append(f"{c.host_layers} layers in host memory")
-    if load["prefetch_depth"] is None:
-        load = {**load, "prefetch_depth": c.prefetch_depth}
+    if spec.prefetch_depth is None:
+        spec = dataclasses.replace(spec, prefetch_depth=c.prefetch_depth)
         chosen.append(f"prefetch depth {c.prefetch_depth}")
     line = (f"plan for {len(prompts)} prompts x {new_tokens} tokens: {', '.join(chosen)} ({c.weights} weights; predicted "
             f"{best.tokens_per_s:.1f} tokens/s, {best.bottleneck}-bound, {best.fill_s:.1f} s filling memory; zerolite plan says why)")
-    return (c.batch_size if batch is None else None), load, line
+    return (c.batch_size if batch is None else None), spec, line

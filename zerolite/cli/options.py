@@ -4,7 +4,8 @@ one way they load a model from them.
     @app.command()
     @options.with_load_options
     def profile(batch_size: ..., **load):     # load: model, offload, path, ..., draft_group_size
-        lm = options.load_model(load, world=world)
+        spec = options.load_spec(load)            # a zerolite.runtime.load_spec.LoadSpec
+        lm = options.load_model(spec, world=world)
 
 Library errors name the API's parameters in backquotes (`prefetch_depth`); flag_words() words
 them as this command line's flags (--prefetch-depth).
@@ -98,13 +99,18 @@ def with_load_options(command):
     return command
 
 
-def load_model(load: dict, **more):
-    """zerolite.load with the load options a command was given, and more keywords (world,
-    timeline, show_progress)."""
-    from zerolite.lm import load as load_lm
+def load_spec(load: dict):
+    """The LoadSpec of the load options a command was given (sizes read, as zerolite.load reads them)."""
+    from zerolite.runtime.load_spec import LoadSpec
 
-    given = {name: value for name, value in load.items() if not (name == "prefetch_depth" and value is None)}
-    return load_lm(**given, **more)
+    return LoadSpec(**load)
+
+
+def load_model(spec, **more):
+    """The model spec (a LoadSpec) asks for, loaded with more keywords (world, timeline, show_progress)."""
+    from zerolite.lm import load_spec as load_lm
+
+    return load_lm(spec, **more)
 
 
 def flag(parameter: str) -> str:

@@ -54,12 +54,13 @@ def profile(
     from zerolite.profile.trace import plot_timeline, write_trace
     from zerolite.runtime.timeline import Timeline
 
-    if load["draft"] is not None and batch_size != 1:
+    spec = options.load_spec(load)
+    if spec.draft is not None and batch_size != 1:
         raise ZeroliteError(f"--draft profiles speculative decoding, which runs at batch 1, and --batch-size is {batch_size}: "
                             "leave out --batch-size, or leave out --draft")
     world = start_world(given)
     timeline = Timeline()
-    with options.load_model(load, timeline=timeline, show_progress=not as_json, world=world) as lm:
+    with options.load_model(spec, timeline=timeline, show_progress=not as_json, world=world) as lm:
         if not as_json and world.leads:
             show_plan(lm, batch_size, prompt_tokens + new_tokens)
         report = profile_run(lm, timeline, batch_size, new_tokens, prompt_tokens)
@@ -72,7 +73,7 @@ def profile(
         write_trace(timeline, trace)
     if plot is not None:
         plot_timeline(timeline, plot, report.verdict,
-                      f"{load['offload']} offload, depth {lm.policy.prefetch_depth}, batch {batch_size}, {report.decode_step_s * 1e3:.0f} ms per decode step")
+                      f"{spec.offload} offload, depth {lm.policy.prefetch_depth}, batch {batch_size}, {report.decode_step_s * 1e3:.0f} ms per decode step")
     if world.distributed:
         totals = rank_totals(every)
         if as_json:

@@ -49,7 +49,8 @@ def serve(
         run_server,
     )
 
-    if load["draft"] is not None or load["draft_group_size"] is not None:
+    spec = options.load_spec(load)
+    if spec.draft is not None or spec.draft_group_size is not None:
         raise ZeroliteError("--draft is for generate: speculative decoding runs at batch 1, and serve batches its "
                             "clients into each pass over the weights; leave out --draft")
     settings = ServeSettings(host=host, port=port, api_key=api_key or None, insecure=insecure,
@@ -59,7 +60,7 @@ def serve(
                              served_name=served_model_name)
     check_exposure(settings)
     sock = bind(host, port)  # before loading: a port in use is found in a second, not after minutes
-    with sock, options.load_model(load) as lm:
-        server = build_server(lm, settings, load["model"])
+    with sock, options.load_model(spec) as lm:
+        server = build_server(lm, settings, spec.model)
         show_plan(lm, server.engine.max_batch, server.served.context)
         run_server(server, settings, sock, announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
@@ -53,9 +53,6 @@ LAYOUT_FILES = (
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 FINGERPRINT_SAMPLE = 1 << 20
-
-DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -218,25 +215,6 @@ def check_safetensors_file(path: Path) -> None:
     except (SafetensorError, OSError) as e:
         raise ZeroliteError(
             f"{path} is not a readable safetensors file ({one_line(e)}): it is probably truncated; download it again"
-        ) from e
-
-
-def build_meta_model(config: PretrainedConfig, dtype: torch.dtype, real_buffers: bool = False) -> nn.Module:
-    """The model's module tree with every parameter on the meta device: shapes and names, no memory.
-
-    With real_buffers, buffers are real tensors on the CPU: the ones computed in __init__ rather
-    than stored (rotary inv_freq and the like) are then ready to run with.
-    """
-    from accelerate import init_empty_weights
-
-    empty = init_empty_weights(include_buffers=False) if real_buffers else torch.device("meta")
-    try:
-        with empty:
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except ValueError as e:
-        raise ZeroliteError(
-            f"model_type '{config.model_type}' is not a causal language model transformers knows "
-            f"({one_line(e)[:160]}); zerolite runs decoder-only LMs"
         ) from e
 
 

@@ -29,13 +29,24 @@ from pathlib import Path
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-from zerolite.convert.checkpoint import SAFETENSORS_DTYPES, Checkpoint, build_meta_model, safetensors_header
-from zerolite.convert.writer import choose_dtype, write_atomically
+from zerolite.convert.checkpoint import SAFETENSORS_DTYPES, Checkpoint, safetensors_header
+from zerolite.convert.writer import write_atomically
 from zerolite.errors import ZeroliteError
+from zerolite.hf import build_meta_model
 from zerolite.io.engine import ALIGNMENT, IoEngine, align_up, aligned_empty
 from zerolite.layout.blocks import BlockSpec, partition
 from zerolite.layout.folder import Layout
-from zerolite.layout.manifest import DTYPES, MANIFEST, BlockEntry, Manifest, Piece, Shard, TensorEntry, dtype_name
+from zerolite.layout.manifest import (
+    DTYPES,
+    MANIFEST,
+    BlockEntry,
+    Manifest,
+    Piece,
+    Shard,
+    TensorEntry,
+    choose_dtype,
+    dtype_name,
+)
 from zerolite.layout.store import DiskStore
 from zerolite.progress import byte_progress
 

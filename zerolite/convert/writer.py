@@ -24,16 +24,14 @@ from pathlib import Path
 import torch
 
 from zerolite.convert.checkpoint import (
-    DTYPE_CHOICES,
     Checkpoint,
-    build_meta_model,
     iter_block_tensors,
     one_line,
 )
 from zerolite.convert.paths import default_layout_path
 from zerolite.convert.read_ahead import read_ahead
 from zerolite.errors import ZeroliteError
-from zerolite.hf import rescales_weights
+from zerolite.hf import build_meta_model, rescales_weights
 from zerolite.io.engine import aligned_empty
 from zerolite.layout.blocks import (
     BlockPartition,
@@ -48,6 +46,7 @@ from zerolite.layout.manifest import (
     ExpertArea,
     Manifest,
     TensorEntry,
+    choose_dtype,
     pack,
     pack_experts,
 )
@@ -133,17 +132,6 @@ def source_name(model: str | os.PathLike) -> str:
     """How the manifest names its source: an absolute path for local files, else the hub id."""
     local = Path(model).expanduser()
     return str(local.resolve()) if local.exists() else str(model)
-
-
-def choose_dtype(dtype: str | None, config) -> torch.dtype:
-    if dtype is not None:
-        if dtype not in DTYPE_CHOICES:
-            raise ZeroliteError(f"unknown `dtype` {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
-        return DTYPE_CHOICES[dtype]
-    configured = getattr(config, "dtype", None)
-    if isinstance(configured, str):
-        configured = getattr(torch, configured, None)
-    return configured if configured in DTYPE_CHOICES.values() else torch.float32
 
 
 def plan_extents(meta_model, blocks: BlockPartition, scheme: WeightScheme | None = None,

@@ -38,6 +38,7 @@ DTYPES = {
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                   torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
 }
+DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what convert's `dtype` takes
 QUANTIZED_WEIGHTS = ("int8", "int4")  # the weight schemes this build converts and runs (zerolite.quant.quantize)
 NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
@@ -263,6 +264,19 @@ def pack_experts(tensors: dict[str, torch.Tensor], start: int) -> tuple[list[Ten
     entries = [TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), start + slices[name], stride)
                for name, tensor in tensors.items()]
     return entries, stride
+
+
+def choose_dtype(dtype: str | None, config) -> torch.dtype:
+    """The dtype a layout is converted to: the one asked for by name, else the config's where it is
+    one of DTYPE_CHOICES, else fp32."""
+    if dtype is not None:
+        if dtype not in DTYPE_CHOICES:
+            raise ZeroliteError(f"unknown `dtype` {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+        return DTYPE_CHOICES[dtype]
+    configured = getattr(config, "dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured, None)
+    return configured if configured in DTYPE_CHOICES.values() else torch.float32
 
 
 def dtype_name(dtype: torch.dtype) -> str:

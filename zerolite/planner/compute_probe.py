@@ -19,7 +19,7 @@ import time
 import torch
 from torch import nn
 
-from zerolite.hf import cache_keyword
+from zerolite.hf import build_meta_model, cache_keyword
 from zerolite.io.device import Device
 from zerolite.planner.shrunk_config import PROBE_VOCAB, shrunk
 from zerolite.quant.linear import Int4Linear, Int8Linear
@@ -125,7 +125,6 @@ def filled_model(config, dtype: torch.dtype, device: Device) -> nn.Module:
     (of transformers' usual initializer_range) over and over: transformers' random initialisation
     takes seconds for each layer of a 26 GB model, and uninitialised memory may hold NaNs and
     denormals, whose slow paths would be timed instead."""
-    from zerolite.convert.checkpoint import build_meta_model
     from zerolite.hf import quiet_transformers
 
     quiet_transformers()  # the tiny vocabulary draws warnings about token ids beyond it

@@ -1,7 +1,7 @@
 """The search run for one generate job, before anything loads: what --batch-size auto and the
 default host budget become.
 
-    choice = choose_for_job(load, prompts=40, prompt_tokens=30, new_tokens=64, batch_size=None)
+    choice = choose_for_job(spec, prompts=40, prompt_tokens=30, new_tokens=64, batch_size=None)
     choice.best.candidate.batch_size, choice.best.cpu_memory
 
 The job's length decides the host tier: filling host memory takes time a short job does not win
@@ -19,20 +19,18 @@ from zerolite.planner.machine import measure_disk
 from zerolite.planner.model_costs import ModelCosts
 from zerolite.planner.model_source import ModelSource
 from zerolite.planner.search import Choice, Pins, search
-from zerolite.runtime.policy import parse_size
+from zerolite.runtime.load_spec import LoadSpec
 
 
-def choose_for_job(load: dict, prompts: int, prompt_tokens: int, new_tokens: int, batch_size: int | None,
+def choose_for_job(spec: LoadSpec, prompts: int, prompt_tokens: int, new_tokens: int, batch_size: int | None,
                    device: str) -> Choice:
-    """load: zerolite.load's keywords as generate took them (model, path, dtype, weights, and the
-    policy's cpu_memory, prefetch_depth, kv_offload, offload); device: as --device takes it."""
-    source = ModelSource.resolve(load.get("model"), load.get("dtype"), load.get("path"))
+    """spec: what generate was asked to load (model, path, dtype, weights, and the policy's
+    cpu_memory, prefetch_depth, kv_offload, offload: what it sets is pinned); device: as --device takes it."""
+    source = ModelSource.resolve(spec.model, spec.dtype, spec.path)
     costs, hardware = model_and_machine(source, device)
-    cpu_memory = load.get("cpu_memory")
-    pins = Pins(weights=load.get("weights") or source.weights or "stored", batch_size=batch_size,
-                kv_offload=load.get("kv_offload") or 0.0,
-                cpu_memory=parse_size(cpu_memory, "`cpu_memory`") if isinstance(cpu_memory, str) else cpu_memory,
-                prefetch_depth=load.get("prefetch_depth"), offload=load.get("offload"))
+    pins = Pins(weights=spec.weights or source.weights or "stored", batch_size=batch_size,
+                kv_offload=spec.kv_offload or 0.0, cpu_memory=spec.cpu_memory, prefetch_depth=spec.prefetch_depth,
+                offload=spec.offload)
     with planner_part("weigh the plans"):
         return search(costs, hardware, Job(prompt_tokens, new_tokens, prompts), pins)
 

@@ -4,7 +4,7 @@ weight format, the weights a token multiplies, and the K/V cache a token keeps.
     costs = ModelCosts.from_config(AutoConfig.from_pretrained("bigscience/bloom"))
     costs.formats["int4"].layer_bytes     # one decoder layer, as convert --weights int4 would store it
 
-Built on a meta model (zerolite.convert.checkpoint.build_meta_model), with the same block partition
+Built on a meta model (zerolite.hf.build_meta_model), with the same block partition
 and the same quantization shapes convert uses, so the bytes are the layout's, not an estimate. A
 mixture of experts' expert tensors (transformers keeps each layer's experts fused, [experts, ...])
 are counted apart: a routed step reads and multiplies only the experts its tokens pick.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from zerolite.convert.checkpoint import build_meta_model
+from zerolite.hf import build_meta_model
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.blocks import module_path, partition, stored_tensors
 from zerolite.quant.quantize import WeightScheme, quantizable_linears

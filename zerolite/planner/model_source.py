@@ -14,10 +14,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from zerolite.convert.checkpoint import find_weight_files, resolve_model_folder
 from zerolite.convert.paths import builtin_gguf
-from zerolite.convert.writer import choose_dtype
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
-from zerolite.layout.manifest import DTYPES, MANIFEST
+from zerolite.layout.manifest import DTYPES, MANIFEST, choose_dtype
 from zerolite.planner.measurements import nearest_existing
 
 

@@ -54,6 +54,24 @@ class HostBufferPool:
         self._free += buffers
 
 
+class OffloadedCaches:
+    """What every K/V cache one model makes shares: the two streams their copies go on, (fetches,
+    appends), since devices hand out streams from a small pool (None where memory is shared), and
+    one pool of pinned host buffers."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        self.streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None
+        self.pool = HostBufferPool(device)
+
+    def new(self, config: PretrainedConfig, fraction: float, tokens: int = 0) -> DynamicCache:
+        """A cache for one job: with fraction > 0, that share of the layers' K/V in host memory,
+        its buffers made for tokens (where the job's length is known); else transformers' own."""
+        if fraction > 0:
+            return PartialOffloadCache(config, fraction, self.device, self.streams, self.pool, tokens)
+        return DynamicCache(config=config.get_text_config(decoder=True))
+
+
 class HostLayer(DynamicLayer):
     """One layer's K/V in host memory; update() hands the attention device tensors, as DynamicLayer does.
 

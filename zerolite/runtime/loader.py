@@ -1,5 +1,5 @@
 """How a layout becomes a model that runs: the layout opened on each rank's device, then budgets,
-one plan, the preflight, and the executor.
+one plan, the preflight, the parts (zerolite.runtime.parts) and the executor.
 
     layout, device = open_layout(folder, dtype), rank_device(policy, world)
     executor = build_executor(layout, policy, device, world, show_progress, timeline)
@@ -15,16 +15,16 @@ import functools
 import sys
 from collections.abc import Callable
 
-from zerolite.convert.writer import choose_dtype
 from zerolite.distributed.world import World
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device, cuda_available, cuda_device_count, resolve
 from zerolite.layout.folder import Layout
-from zerolite.layout.manifest import DTYPES
+from zerolite.layout.manifest import DTYPES, choose_dtype
 from zerolite.progress import byte_progress
 from zerolite.quant.linear import dense_bytes, keeps_dense
 from zerolite.runtime.budget import Budgets
 from zerolite.runtime.executor import Executor
+from zerolite.runtime.parts import build_parts
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.preflight import preflight
@@ -70,7 +70,7 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
     2. one plan for every rank, from the smallest budgets: a node's host copy holds the same
        layers for all of its ranks
     3. each rank checks that the plan fits (preflight); the lead prints the warnings
-    4. the executor: resident blocks read and bound, hooks set
+    4. the parts (resident blocks read and bound, the host tier filled), and the executor's hooks
     """
     ranks_on_gpu = shared_gpu(device, world)
 
@@ -94,7 +94,7 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
     def execute() -> None:
         loaded = [layout.manifest.block(name) for name in plan.loaded]
         with byte_progress("loading", sum(b.length for b in loaded), len(loaded), enabled=show_progress) as progress:
-            built.append(Executor(layout, policy, plan, device, progress, timeline, world))
+            built.append(Executor(build_parts(layout, policy, plan, device, world, progress, timeline)))
 
     try:
         world.run_on_all(execute, "loading")
@@ -103,8 +103,8 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
             executor.close()
         raise
     executor = built[0]
-    if executor.experts_note and world.leads:
-        print(f"zerolite: {executor.experts_note}", file=sys.stderr)
+    if executor.parts.experts_note and world.leads:
+        print(f"zerolite: {executor.parts.experts_note}", file=sys.stderr)
     return executor
 
 
