@@ -153,6 +153,22 @@ def test_no_room_is_named_like_a_folder_tools_ignore():
     assert folders & IGNORED_FOLDER_NAMES == set()
 
 
+def rooms_imported(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """For each module, the rooms other than its own that it imports from."""
+    return {a: {room(b) for b in targets} - {room(a)} for a, targets in graph.items()}
+
+
+def test_the_executor_and_every_module_import_from_few_rooms():
+    """A module that reaches into many rooms is a hub where every feature lands: the executor keeps
+    to bindings, slots and the schedule (at most 4 rooms besides runtime), and no module reaches
+    past 6."""
+    reach = rooms_imported(import_graph())
+    worst = sorted(reach.items(), key=lambda item: -len(item[1]))[:5]
+    report = "; ".join(f"{name}: {len(rooms)} {sorted(rooms)}" for name, rooms in worst)
+    assert len(reach["zerolite.runtime.executor"]) <= 4, report
+    assert all(len(rooms) <= 6 for rooms in reach.values()), report
+
+
 def test_torch_cuda_only_in_the_device_module():
     """Every CUDA call goes through zerolite.io.device, so the simulated device sees them all."""
     users = [name for name, path in modules().items()
@@ -163,7 +179,7 @@ def test_torch_cuda_only_in_the_device_module():
 def test_only_lm_reaches_the_executor():
     """OffloadedLM is the executor's one door: everything else asks it (lm.recover(), lm.new_cache())."""
     users = [name for name, path in modules().items()
-             if name not in ("zerolite.lm", "zerolite.runtime.executor", "zerolite.runtime.loader")
+             if name not in ("zerolite.lm.offloaded_lm", "zerolite.runtime.executor", "zerolite.runtime.loader")
              and re.search(r"\.executor\b", path.read_text())]
     assert users == []
 

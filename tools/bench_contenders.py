@@ -292,7 +292,7 @@ def main() -> None:
     model, extras = CONTENDERS[args.name](args)
     ready_s = time.time() - args.started
 
-    from zerolite.generate.run import StepClock  # after the clock stopped: it is the bench's, not the contender's
+    from zerolite.generate.stats import StepClock  # after the clock stopped: it is the bench's, not the contender's
 
     vocab = extras.get("vocab") or model.config.get_text_config().vocab_size
     input_ids = prompts(vocab, args.batch_size, args.prompt_tokens).to(args.device)

@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 from models import make_model
-from zerolite.generate.run import StepClock
+from zerolite.generate.stats import StepClock
 from zerolite.io.engine import IoEngine
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import BlockEntry

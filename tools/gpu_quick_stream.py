@@ -25,7 +25,7 @@ def stream_case(c: Child, case: str) -> None:
     import torch
 
     import zerolite
-    from zerolite.generate.run import StepClock
+    from zerolite.generate.stats import StepClock
 
     folder = c.prior("folder")
     if "layout" not in folder:

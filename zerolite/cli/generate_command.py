@@ -43,11 +43,9 @@ def generate(
     given = {**{k: v for k, v in locals().items() if k != "load"}, **load}
     import json
 
-    from zerolite.convert.writer import write_atomically
     from zerolite.generate.job import open_job
     from zerolite.generate.prompts import prompts_from_arguments, read_prompts
     from zerolite.generate.run import check_work, generate_all
-    from zerolite.moe.counts import summary_line
     from zerolite.sampling import Sampling
 
     world = start_world({k: v for k, v in given.items() if k not in RANK_ZEROS_OWN})
@@ -106,22 +104,9 @@ def generate(
     if not world.leads:
         return
     if stats_json is not None:
-        write_atomically(stats_json, json.dumps(stats.to_dict(), indent=2) + "\n")
-    summary = stats.to_dict()
-    ranks = f" on {stats.ranks} ranks" if stats.ranks > 1 else ""
-    stderr.print(
-        f"[dim]{stats.new_tokens} new tokens for {len(todo)} prompt{'s' if len(todo) != 1 else ''}{ranks}; prefill {stats.prefill_s:.2f} s, decode "
-        f"{stats.decode_s:.2f} s ({summary['decode_tokens_per_s'] or 0:.1f} tokens/s{' in all' if ranks else ''}), "
-        f"{stats.bytes_read / 1e9:.2f} GB read[/dim]",
-        soft_wrap=True,
-    )
-    if stats.experts is not None:
-        stderr.print(f"[dim]{summary_line(summary)}[/dim]", soft_wrap=True)
-    if stats.speculation is not None and stats.speculation.drafted:
-        spec = stats.speculation
-        stderr.print(f"[dim]draft: {spec.accepted} of {spec.drafted} guesses kept ({summary['acceptance_rate']:.0%}), "
-                     f"{summary['tokens_per_pass']:.2f} tokens per pass over the weights; {spec.draft_s:.2f} s drafting, "
-                     f"{spec.target_s:.2f} s in the model's passes[/dim]", soft_wrap=True)
+        stats.write(stats_json)
+    for line in stats.summary_lines(len(todo)):
+        stderr.print(f"[dim]{line}[/dim]", soft_wrap=True)
 
 
 def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int, batch: int | None) -> tuple[int | None, LoadSpec, str | None]:

@@ -23,36 +23,17 @@ from pathlib import Path
 
 import torch
 
-from zerolite.convert.checkpoint import (
-    Checkpoint,
-    iter_block_tensors,
-    one_line,
-)
+from zerolite.convert.checkpoint import Checkpoint, iter_block_tensors, one_line
+from zerolite.convert.extents import data_bytes, plan_extents, same_extents
 from zerolite.convert.paths import default_layout_path
 from zerolite.convert.read_ahead import read_ahead
 from zerolite.errors import ZeroliteError
 from zerolite.hf import build_meta_model, rescales_weights
 from zerolite.io.engine import aligned_empty
-from zerolite.layout.blocks import (
-    BlockPartition,
-    module_path,
-    partition,
-    stored_tensors,
-)
-from zerolite.layout.manifest import (
-    DATA_FILE,
-    MANIFEST,
-    BlockEntry,
-    ExpertArea,
-    Manifest,
-    TensorEntry,
-    choose_dtype,
-    pack,
-    pack_experts,
-)
-from zerolite.moe.experts import Experts, find_experts
+from zerolite.layout.blocks import partition
+from zerolite.layout.manifest import DATA_FILE, MANIFEST, BlockEntry, Manifest, TensorEntry, choose_dtype
 from zerolite.progress import byte_progress
-from zerolite.quant.quantize import LinearShape, WeightScheme, quantizable_linears
+from zerolite.quant.quantize import WeightScheme, quantizable_linears
 
 PROCESS_SYMBOLS = ctypes.CDLL(None)  # the C library's among them
 JOURNAL = "convert.journal"
@@ -132,53 +113,6 @@ def source_name(model: str | os.PathLike) -> str:
     """How the manifest names its source: an absolute path for local files, else the hub id."""
     local = Path(model).expanduser()
     return str(local.resolve()) if local.exists() else str(model)
-
-
-def plan_extents(meta_model, blocks: BlockPartition, scheme: WeightScheme | None = None,
-                 targets: dict[str, LinearShape] | None = None) -> dict[str, BlockEntry]:
-    """Every block's place in the data file, from shapes alone (checksums still zero), as the
-    scheme quantizes them. A layer whose experts take their routing keeps each expert in an
-    extent of its own after the layer's dense part (zerolite.moe.experts)."""
-    tensors = stored_tensors(meta_model)
-    planned, offset = {}, 0
-    for block in blocks.blocks:
-        stored = {name: tensors[name] for name in block.tensor_names}
-        experts = routed_experts(meta_model, blocks.layers_path, block.name)
-        prefix = f"{module_path(blocks.layers_path, block.name)}.{experts.path}." if experts else None
-        fused = {name: t for name, t in stored.items() if prefix and name.startswith(prefix)}
-        dense = {name: t for name, t in stored.items() if name not in fused}
-        entries, length = pack(scheme.meta_tensors(dense, targets) if scheme else dense)
-        area = None
-        if fused:
-            expert_entries, stride = pack_experts(fused, length)
-            area = ExpertArea(experts.path, length, stride, experts.count, 0, (0,) * experts.count)
-            entries += expert_entries
-            length += experts.count * stride
-        planned[block.name] = BlockEntry(block.name, offset, length, 0, tuple(entries), area)
-        offset += length
-    return planned
-
-
-def routed_experts(meta_model, layers_path: str, block_name: str) -> Experts | None:
-    """The layer's experts, where a step can read only those its router picks."""
-    if not block_name.startswith("layers."):
-        return None
-    experts = find_experts(meta_model.get_submodule(module_path(layers_path, block_name)))
-    return experts if experts is not None and experts.routed else None
-
-
-def same_extents(existing: Manifest, planned: dict[str, BlockEntry]) -> bool:
-    """The layout places every tensor where this zerolite would (one converted before experts had
-    extents of their own is converted again, to stream per expert)."""
-    def places(block: BlockEntry):
-        return block.name, block.offset, block.length, block.tensors, block.experts and block.experts.stride
-
-    return [places(b) for b in existing.blocks] == [places(b) for b in planned.values()]
-
-
-def data_bytes(planned: dict[str, BlockEntry]) -> int:
-    last = list(planned.values())[-1]
-    return last.offset + last.length
 
 
 def prepare_folder(path: str | os.PathLike, model: str | os.PathLike, dtype: str | None) -> Path:

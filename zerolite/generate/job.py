@@ -18,7 +18,8 @@ from pathlib import Path
 from zerolite.distributed.world import World
 from zerolite.generate.outputs import CompletionLog
 from zerolite.generate.prompts import Prompt, read_prompts
-from zerolite.generate.run import RunStats, generate_all
+from zerolite.generate.run import generate_all
+from zerolite.generate.stats import RunStats
 from zerolite.sampling import Sampling
 
 

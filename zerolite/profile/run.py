@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from zerolite.generate.run import speculation_dict
+from zerolite.generate.stats import speculation_dict
 from zerolite.layout.manifest import DTYPES
 from zerolite.layout.read_pass import read_pass
 from zerolite.lm import OffloadedLM
