@@ -49,7 +49,7 @@ def generate(
     from zerolite.sampling import Sampling
 
     world = start_world({k: v for k, v in given.items() if k not in RANK_ZEROS_OWN})
-    spec = options.load_spec(load)
+    spec = options.to_load_spec(load)
     draft = spec.draft
 
     def sampling() -> Sampling:
@@ -109,7 +109,8 @@ def generate(
         stderr.print(f"[dim]{line}[/dim]", soft_wrap=True)
 
 
-def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int, batch: int | None) -> tuple[int | None, LoadSpec, str | None]:
+def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int,
+                 batch: int | None) -> tuple[int | None, LoadSpec, str | None]:
     """zerolite plan's search for this job, for what the user left open: the batch (auto), the
     host budget and the prefetch depth. Returns the batch it chose (None where it was given), a new
     LoadSpec with the budget and depth it chose, and a line saying so. Where the planner cannot say (no config it can read, a model it thinks

@@ -4,7 +4,7 @@ one way they load a model from them.
     @app.command()
     @options.with_load_options
     def profile(batch_size: ..., **load):     # load: model, offload, path, ..., draft_group_size
-        spec = options.load_spec(load)            # a zerolite.runtime.load_spec.LoadSpec
+        spec = options.to_load_spec(load)         # a zerolite.runtime.load_spec.LoadSpec
         lm = options.load_model(spec, world=world)
 
 Library errors name the API's parameters in backquotes (`prefetch_depth`); flag_words() words
@@ -99,7 +99,7 @@ def with_load_options(command):
     return command
 
 
-def load_spec(load: dict):
+def to_load_spec(load: dict):
     """The LoadSpec of the load options a command was given (sizes read, as zerolite.load reads them)."""
     from zerolite.runtime.load_spec import LoadSpec
 

@@ -54,7 +54,7 @@ def profile(
     from zerolite.profile.trace import plot_timeline, write_trace
     from zerolite.runtime.timeline import Timeline
 
-    spec = options.load_spec(load)
+    spec = options.to_load_spec(load)
     if spec.draft is not None and batch_size != 1:
         raise ZeroliteError(f"--draft profiles speculative decoding, which runs at batch 1, and --batch-size is {batch_size}: "
                             "leave out --batch-size, or leave out --draft")

@@ -49,7 +49,7 @@ def serve(
         run_server,
     )
 
-    spec = options.load_spec(load)
+    spec = options.to_load_spec(load)
     if spec.draft is not None or spec.draft_group_size is not None:
         raise ZeroliteError("--draft is for generate: speculative decoding runs at batch 1, and serve batches its "
                             "clients into each pass over the weights; leave out --draft")

@@ -80,9 +80,9 @@ def load_spec(spec: LoadSpec, show_progress: bool = True, timeline: Timeline | N
     policy = world.run_on_all(spec.policy, "checking the arguments")
 
     started = time.perf_counter()
-    folder = world.run_on_all(lambda: layout_folder(spec, show_progress) if world.local_rank == 0 else None,
-                              "converting the model")
-    folder = world.run_on_all(lambda: folder or layout_folder(spec, show_progress), "opening the layout")
+    converted = world.run_on_all(lambda: layout_folder(spec, show_progress) if world.local_rank == 0 else None,
+                                 "converting the model")
+    folder = world.run_on_all(lambda: converted or layout_folder(spec, show_progress), "opening the layout")
     convert_s = time.perf_counter() - started
 
     started = time.perf_counter()

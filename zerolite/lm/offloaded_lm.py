@@ -47,7 +47,8 @@ class OffloadedLM:
         self.tokenizer = tokenizer
         self.load_s = load_s
         self.convert_s = convert_s
-        self.draft = draft  # held resident; generate drafts with it (zerolite.speculative.draft, zerolite.speculative.decoding)
+        # held resident; generate drafts with it (zerolite.speculative.draft, zerolite.speculative.decoding)
+        self.draft = draft
         self.speculator = Speculator(draft.model, executor.timeline, draft_step_s) if draft is not None else None
 
     @property

@@ -20,14 +20,16 @@ from zerolite.runtime.policy import Policy, parse_size
 
 @dataclass(frozen=True)
 class LoadSpec:
-    model: str | os.PathLike | None = None     # a layout folder, or a checkpoint to convert first (None: the built-in model)
+    model: str | os.PathLike | None = None     # a layout folder, or a checkpoint to convert first (None: the
+                                               # built-in model)
     offload: str = "nvme"                      # where the blocks live while running: nvme, cpu or none
     path: str | os.PathLike | None = None      # where the checkpoint is converted, or the layout to run
     device: object = "auto"                    # cuda, cuda:N, cpu, auto, or a zerolite.io.device.Device
     dtype: str | None = None                   # bf16, fp16 or fp32 when converting (None: the config's)
     weights: str | None = None                 # stored, int8 or int4: the format the layers are converted to
     allow_pickle: bool = False                 # read pickled .bin weights when converting
-    draft: str | os.PathLike | None = None     # speculative decoding's draft: a layout, a checkpoint, self-int4 or self-int8
+    draft: str | os.PathLike | None = None     # speculative decoding's draft: a layout, a checkpoint, self-int4
+                                               # or self-int8
     draft_group_size: int | None = None        # a self-int4 draft's input weights per scale
     # The policy's settings (zerolite.runtime.policy), None where its default stands
     prefetch_depth: int | None = None

@@ -85,7 +85,7 @@ def build_executor(layout: Layout, policy: Policy, device: Device, world: World,
     plan = Plan.make(layout.manifest, policy, budgets, device.pinned_cost, world.local_size,
                      resident_dense(layout, device, policy), device.separate_memory)
     warnings = world.run_on_all(lambda: preflight(layout, plan, policy, device, world.local_size, ranks_on_gpu),
-                          "checking memory")
+                                "checking memory")
     for warning in warnings if world.leads else ():
         print(f"zerolite: warning: {warning}", file=sys.stderr)
 

@@ -89,11 +89,12 @@ def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, worl
     disk = DiskStore(layout, engine)
     # Where the device has memory of its own, a block's tensors are bound where its copy put them
     # (zerolite.layout.placement: 256-byte offsets, which a layout in place's are not as read).
-    bound = {block.name: device_placement(block).entry if device.separate_memory else block for block in manifest.blocks}
+    bound = {block.name: device_placement(block).entry if device.separate_memory else block
+             for block in manifest.blocks}
     bindings = {name: BlockBinding(model, entry, manifest.aliases) for name, entry in bound.items()}
 
-    per_expert, experts_note = streamed_per_expert(model, layout, plan.streamed, plan.on_disk, policy.experts == "whole",
-                                                   device.separate_memory)
+    per_expert, experts_note = streamed_per_expert(model, layout, plan.streamed, plan.on_disk,
+                                                   policy.experts == "whole", device.separate_memory)
     # Where the device has memory of its own, `experts` cpu computes those layers' experts on the host
     host_experts = per_expert if policy.experts == "cpu" and device.separate_memory else frozenset()
     routing = ExpertRouting(model, manifest, per_expert, disk, device, host_experts)
