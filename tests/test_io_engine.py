@@ -78,7 +78,7 @@ def test_a_cpu_model_fills_its_host_tier_and_resident_blocks_in_small_pages_and_
         executor = lm.executor
         tier = [buffer for name, buffer in executor.slots.memory._buffers.items() if name.startswith("layers.")]
         slots = [slot.host for slot in executor.slots._slots]
-        assert tier and slots and executor.plan.resident
+        assert tier and slots and lm.plan.resident
         greedy(lm, torch.tensor([[5, 17, 33, 9]]), 2, exact=True)  # the slots read into
         for buffer in tier:
             assert buffer.nbytes >= HUGE_PAGE and huge_page_kib(buffer.data_ptr()) == 0

@@ -314,7 +314,7 @@ def test_experts_not_called_with_their_routing_stream_whole_with_one_line(make_s
     assert set(WHOLE_MOE_SHAPES) == {"jetmoe", "llama4_text"}
     layout, reference = layout_and_reference(arch, make_source, make_layout)
     with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
-        assert lm.executor.per_expert == frozenset()
+        assert lm.per_expert == frozenset()
         assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"zerolite: {arch}'s layers stream whole, every expert at every step: its experts module "

@@ -153,7 +153,7 @@ def test_resident_layers_among_streamed_ones_keep_the_link_busy(layout):
     assert run.link_busy >= 0.9, run
     assert run.step_s == pytest.approx(predicted(layout, H100, replace(candidate, batch_size=5120)), rel=0.1)
     with zerolite.load(layout, device=TimedDevice(H100), show_progress=False, **policy) as lm:
-        assert [name for name in lm.executor.plan.resident if name.startswith("layers.")] == [f"layers.{i}" for i in (0, 2, 4, 6)]
+        assert [name for name in lm.plan.resident if name.startswith("layers.")] == [f"layers.{i}" for i in (0, 2, 4, 6)]
 
 
 def test_a_ring_with_a_slot_for_every_streamed_layer_moves_nothing_after_the_first_step(layout):
@@ -179,7 +179,7 @@ def test_the_disk_reads_through_the_layers_held_in_memory(layout):
     run = run_timed(layout, launch_queue=2, offload="nvme", cpu_memory=6 * (layer + 4096), gpu_memory=always)
     with zerolite.load(layout, device=TimedDevice(H100), show_progress=False, offload="nvme",
                        cpu_memory=6 * (layer + 4096), gpu_memory=always) as lm:
-        assert lm.executor.plan.on_disk == ("layers.6", "layers.7")
+        assert lm.plan.on_disk == ("layers.6", "layers.7")
     reads = run.device.work[DISK][-6:]  # the steady steps' (three of two reads)
     disk_pass = 2 * LAYER_BYTES / (H100.disk_gbps * 1e9)
     assert run.device.busy(DISK, reads[0][0], reads[-1][1]) >= 0.9, run
@@ -212,7 +212,7 @@ def scalar_read_in_a_layer(lm, device):
     def check(module, args, kwargs):
         (args[0] if args else kwargs["hidden_states"]).isnan().any().item()
 
-    layer = lm.model.get_submodule(module_path(lm.executor.layout.manifest.layers_path, "layers.3"))
+    layer = lm.model.get_submodule(module_path(lm.layout.manifest.layers_path, "layers.3"))
     layer.register_forward_pre_hook(check, with_kwargs=True)
 
 

@@ -1,6 +1,6 @@
 """transformers glue that every room shares: quiet logging, a layout's tokenizer, the model built on
 the meta device (and made ready to run there), a mixture's experts kept as built, RWKV's rescaling
-by one skipped."""
+by one skipped, and what a model's cache cannot do (K/V offload, a draft's rewind)."""
 
 from __future__ import annotations
 
