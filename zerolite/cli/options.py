@@ -64,7 +64,8 @@ DraftGroupSize = Annotated[int | None, typer.Option(
     "--draft-group-size", help="self-int4: input weights per scale and zero point, as convert's --group-size (default "
     "32: the closer the draft, the more of its guesses are kept).")]
 
-# What to load and how: zerolite.load's parameters, as options with their defaults.
+# What to load and how: fields of zerolite.runtime.load_spec.LoadSpec (zerolite.load's parameters), as options
+# with their defaults.
 LOAD_OPTIONS = {
     "model": (Model, None),
     "offload": (Offload, "nvme"),
