@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from transformers import T5Config
 
-from cli_runner import assert_one_line_error, run
-from tiny_models import tiny_config
+from support.cli_runner import assert_one_line_error, run
+from support.tiny_models import tiny_config
 from zerolite.convert.writer import JOURNAL
 from zerolite.io.device import cuda_available
 

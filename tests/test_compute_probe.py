@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from cli_runner import run
+from support.cli_runner import run
 from zerolite.io.device import CpuDevice
 from zerolite.planner import compute_probe, hardware, measurements
 from zerolite.planner.compute_probe import LAYER_CONTEXT, LAYER_ROWS, LAYER_STEPS, probe_layer

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from cli_runner import assert_one_line_error, run
-from helpers import generate_args, lines_by_id
+from support.cli_runner import assert_one_line_error, run
+from support.helpers import generate_args, lines_by_id
 from zerolite.io.engine import FAULT_VARIABLE
 
 LAYERS = 6

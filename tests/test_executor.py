@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zerolite
-from helpers import PAD, greedy
+from support.helpers import PAD, greedy
 from zerolite.errors import ZeroliteError
 from zerolite.hf import keep_experts_implementation
 from zerolite.layout.folder import Layout

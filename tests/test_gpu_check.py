@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import run_tool
+from support.cli_runner import run_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -128,7 +128,7 @@ def test_the_tests_counts_from_pytests_summary_or_from_its_lines_when_stopped_be
 
 
 def test_a_copy_rate_from_each_numa_node_where_there_are_several(tools, tmp_path):
-    from simulated_device import SimulatedDevice
+    from support.simulated_device import SimulatedDevice
 
     steps = tools("gpu_quick_steps")
     cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))

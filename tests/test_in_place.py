@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM
 
 import zerolite
 import zerolite.convert.resolve
-from cli_runner import run
-from helpers import greedy
-from simulated_device import SimulatedDevice
+from support.cli_runner import run
+from support.helpers import greedy
+from support.simulated_device import SimulatedDevice
 from test_executor import assert_same_generation, reference_device
-from tiny_models import save_tiny_model
+from support.tiny_models import save_tiny_model
 from zerolite.errors import ZeroliteError
 from zerolite.hf import keep_experts_implementation
 from zerolite.io.engine import align_up

@@ -15,11 +15,11 @@ import torch
 from transformers import GenerationMixin
 
 import zerolite
-from helpers import greedy
-from simulated_device import OrderingError, SimulatedDevice
+from support.helpers import greedy
+from support.simulated_device import OrderingError, SimulatedDevice
 from test_executor import (BATCH, MORE_SETUPS, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal,
                            layout_and_reference)
-from tiny_models import MOE_SHAPES, WHOLE_MOE_SHAPES
+from support.tiny_models import MOE_SHAPES, WHOLE_MOE_SHAPES
 from zerolite.cli.plan_summary import summarize
 from zerolite.errors import ZeroliteError
 from zerolite.moe.experts import find_experts

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, BloomConfig
 
 import zerolite
-from cli_runner import run
+from support.cli_runner import run
 from zerolite.io.device import CpuDevice
 from zerolite.layout.folder import Layout
 from zerolite.planner import measurements
@@ -199,7 +199,7 @@ PLANNER_PARTS = {
 @pytest.mark.parametrize("part", PLANNER_PARTS)
 def test_a_part_of_the_planner_that_fails_is_one_line_for_plan_and_none_for_generate(part, tmp_path, capsys, monkeypatch,
                                                                                       make_source):
-    from cli_runner import assert_one_line_error
+    from support.cli_runner import assert_one_line_error
 
     monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))  # nothing recorded: every part runs
     if part != "time this machine's matmuls":  # the real probe takes seconds

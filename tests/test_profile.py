@@ -8,8 +8,8 @@ import time
 import pytest
 
 import zerolite
-from cli_runner import run
-from simulated_device import SimulatedDevice
+from support.cli_runner import run
+from support.simulated_device import SimulatedDevice
 from zerolite.planner.machine import measure_disk
 from zerolite.profile.run import profile_run
 from zerolite.runtime.timeline import Timeline

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -13,11 +12,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import zerolite
-from cli_runner import TOOLS, run_tool
-from tiny_models import VOCAB, save_ascii_tokenizer
+from support.cli_runner import run_tool
+from support.tiny_models import VOCAB, save_ascii_tokenizer
 
-sys.path.insert(0, str(TOOLS))
-from perplexity import perplexity, windows  # noqa: E402  (importable once the path above is set)
+from perplexity import perplexity, windows  # tools/ is on the path: pyproject's pythonpath
 
 WINDOW = 16  # the tiny model's max_position_embeddings: the 50 ids below need several windows
 

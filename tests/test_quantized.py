@@ -16,7 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 import zerolite
 import zerolite.quant.linear
-from helpers import greedy, left_padded
+from support.helpers import greedy, left_padded
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
 from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
@@ -33,7 +33,7 @@ from zerolite.quant.linear import (
 )
 from zerolite.runtime.budget import Budgets, reserve
 from zerolite.runtime.policy import Policy
-from simulated_device import SimulatedDevice
+from support.simulated_device import SimulatedDevice
 from zerolite.layout.store import DiskStore
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]

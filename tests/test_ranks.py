@@ -22,9 +22,9 @@ import torch
 import zerolite
 import zerolite.runtime.loader
 import zerolite.runtime.policy
-from cli_runner import run
-from helpers import generate_args, lines_by_id
-from simulated_device import SimulatedDevice
+from support.cli_runner import run
+from support.helpers import generate_args, lines_by_id
+from support.simulated_device import SimulatedDevice
 from zerolite.errors import ZeroliteError
 from zerolite.distributed.world import World, failed_line
 from zerolite.io.device import CudaDevice, resolve

@@ -1,4 +1,4 @@
-"""CudaDevice's pinned host memory, with CUDA's driver stood in for (tests/fake_cuda.py): exact
+"""CudaDevice's pinned host memory, with CUDA's driver stood in for (tests/support/fake_cuda.py): exact
 sizes, chunks a driver accepts, the model's GPU current for every call, and nothing left behind
 by a failure."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zerolite.io.device
-from fake_cuda import FakeLibcuda
+from support.fake_cuda import FakeLibcuda
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import CudaDevice, CudaDriver, registered
 from zerolite.io.engine import host_mapping

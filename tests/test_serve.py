@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import zerolite
-from cli_runner import assert_one_line_error, run, run_tool
-from helpers import new_tokens_alone
-from live_server import LiveServer
-from tiny_models import CHAT_TEMPLATE, save_ascii_tokenizer
+from support.cli_runner import assert_one_line_error, run, run_tool
+from support.helpers import new_tokens_alone
+from support.live_server import LiveServer
+from support.tiny_models import CHAT_TEMPLATE, save_ascii_tokenizer
 from zerolite.convert.writer import convert
 from zerolite.serve.server import ServeSettings
 

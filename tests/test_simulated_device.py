@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, StaticCache
 import zerolite
 import zerolite.runtime.kv_cache
 import zerolite.runtime.resident
-from helpers import greedy
-from simulated_device import OrderingError, PageableCopyError, SimulatedDevice
+from support.helpers import greedy
+from support.simulated_device import OrderingError, PageableCopyError, SimulatedDevice
 from zerolite.io.engine import aligned_empty
 from zerolite.runtime.batching import MARGIN, largest_batch
 from zerolite.errors import ZeroliteError

@@ -14,8 +14,8 @@ import torch
 import zerolite
 import zerolite.lm
 import zerolite.speculative.draft
-from cli_runner import assert_one_line_error, run, run_tool
-from helpers import greedy
+from support.cli_runner import assert_one_line_error, run, run_tool
+from support.helpers import greedy
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
 from zerolite.quant.linear import Int8Linear

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zerolite
-from cli_runner import run
-from helpers import greedy
+from support.cli_runner import run
+from support.helpers import greedy
 from zerolite.runtime.budget import Budgets
 from zerolite.io.device import CpuDevice
 from zerolite.errors import ZeroliteError

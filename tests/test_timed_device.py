@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig
 
 import zerolite
-from timed_device import DISK, H100, H2D, Rates, TimedDevice, Wait
+from support.timed_device import DISK, H100, H2D, Rates, TimedDevice, Wait
 from zerolite.layout.folder import Layout
 from zerolite.layout.blocks import module_path
 from zerolite.planner.cost import Candidate, Job, predict

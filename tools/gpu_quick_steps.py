@@ -1,6 +1,6 @@
 """tools/gpu_quick.py's shapes and its first steps, each run in a process of its own (Child): the
 machine, pinned host-to-device copies, int4/int8/bf16 matmuls, the model folder. On a GPU they use
-zerolite's CudaDevice; in a dry run the simulated device (tests/simulated_device.py) and tiny shapes.
+zerolite's CudaDevice; in a dry run the simulated device (tests/support/simulated_device.py) and tiny shapes.
 Each step saves its figures as it gets them (Child.save), so that a kill leaves what was measured."""
 
 from __future__ import annotations
@@ -129,11 +129,11 @@ class Child:
 
     @property
     def device(self):
-        """A zerolite Device: the GPU, or in a dry run the simulated one (tests/simulated_device.py)."""
+        """A zerolite Device: the GPU, or in a dry run the simulated one (tests/support/simulated_device.py)."""
         if self._device is None:
             if self.dry:
                 sys.path.insert(0, str(ROOT / "tests"))
-                from simulated_device import SimulatedDevice
+                from support.simulated_device import SimulatedDevice
 
                 self._device = SimulatedDevice(seed=0, memory_bytes=4 << 30)
             else:

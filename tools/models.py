@@ -3,7 +3,7 @@
     make_model(Path("build/llama19/source"), "llama", dict(hidden_size=2048, ...),
                {Path("build/llama19/layout"): {}, Path("build/llama19/layout-int8"): {"weights": "int8"}})
 
-Not tests/tiny_models.py's: those are tiny float32 models with weights scaled so that tests see
+Not tests/support/tiny_models.py's: those are tiny float32 models with weights scaled so that tests see
 varied tokens; a benchmark wants a model of a real size, in bf16, and only its bytes matter.
 """
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from simulated_device import SimulatedDevice, SimulatedEvent, SimulatedStream
+from support.simulated_device import SimulatedDevice, SimulatedEvent, SimulatedStream
 from zerolite.io.engine import IoEngine
 
 SCALARS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
