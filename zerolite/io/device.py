@@ -10,7 +10,7 @@ device and pinned host memory, free memory.
 
 Three implementations: CudaDevice (the only code in the package that calls torch.cuda), CpuDevice
 (one memory: nothing to copy, nothing to wait for) and, for the tests, a simulated asynchronous
-device (tests/simulated_device.py) whose copies run on threads, so that a missing wait shows up as
+device (tests/support/simulated_device.py) whose copies run on threads, so that a missing wait shows up as
 wrong bytes. Events follow torch.cuda.Event's interface: record(stream), synchronize() and
 elapsed_time(other) in milliseconds.
 """
