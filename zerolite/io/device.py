@@ -49,7 +49,7 @@ class Device:
 
     def adopt_thread(self) -> None:
         """Makes this device the calling thread's current one (a thread other than the loader's,
-        such as the server's engine loop, would otherwise start on device 0)."""
+        such as the server's decode loop, would otherwise start on device 0)."""
 
     def new_stream(self):
         raise NotImplementedError
@@ -322,7 +322,7 @@ def cuda_driver() -> CudaDriver:
 
 
 class _Registration:
-    """Keeps a host mapping registered with CUDA, in chunks, while any tensor uses it; on release,
+    """Keeps a host mapping registered with CUDA, in chunks, while any tensor uses it, and
     unregisters them before the mapping goes (the mmap is freed only after this object)."""
 
     def __init__(self, mapping: mmap.mmap, driver: CudaDriver, index: int):
@@ -331,14 +331,14 @@ class _Registration:
         self.index = index
         self.chunks: list[int] = []
 
-    def release(self) -> None:
+    def unregister_all(self) -> None:
         with self.driver.current(self.index):
             while self.chunks:
                 self.driver.unregister(self.chunks.pop())
 
     def __del__(self):
         with contextlib.suppress(Exception):  # nothing to do about a failure while freeing
-            self.release()
+            self.unregister_all()
 
 
 def registered_host_memory(nbytes: int, index: int, node: int | None = None) -> torch.Tensor:
@@ -373,7 +373,7 @@ def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int, s
         for start, length in registration_chunks(nbytes, starts):
             status = registration.driver.register(address + start, length)
             if status != 0:
-                registration.release()
+                registration.unregister_all()
                 raise ZeroliteError(f"pinning {nbytes / 1e9:.2f} GB of {what} failed (CUDA driver error {status}): "
                                     "lower `cpu_memory` or `prefetch_depth`")
             registration.chunks.append(address + start)
