@@ -203,8 +203,8 @@ class MemoryStore:
             buffers[name] = allocate(disk.entry(name).length)
             tickets.append(disk.submit(name, buffers[name]))
         try:
-            for number, (name, ticket) in enumerate(zip(names, tickets)):
-                disk.wait(ticket)
+            for number, name in enumerate(names):
+                disk.wait(tickets[number])
                 disk.verify(name, buffers[name])
                 if progress is not None:
                     progress.advance(disk.entry(name).length)
