@@ -222,12 +222,18 @@ def test_each_layer_routed_per_expert_waits_for_the_device_once(tiny, monkeypatc
     (tolist, item, cpu) makes the host wait for the GPU, which it should rather keep queueing ahead of."""
     layout, reference = tiny
     taken = []
-    for method in ("tolist", "item", "cpu"):
-        def counted(tensor, *args, real=getattr(torch.Tensor, method), **kwargs):
+
+    def counting(method: str):
+        real = getattr(torch.Tensor, method)
+
+        def counted(tensor, *args, **kwargs):
             if sys._getframe(1).f_globals.get("__name__", "").startswith("zerolite.moe"):
                 taken.append(method)
             return real(tensor, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, method, counted)
+        return counted
+
+    for method in ("tolist", "item", "cpu"):
+        monkeypatch.setattr(torch.Tensor, method, counting(method))
     with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
         forwards = record_routing(lm)
         assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
@@ -261,7 +267,6 @@ def test_one_tokens_two_experts_computed_apart_equal_one_call_bit_for_bit(arch, 
 def test_the_expert_cache_serves_experts_read_before(tiny):
     """A host budget smaller than a layer keeps experts instead; hits copy them into the slot."""
     layout, reference = tiny
-    manifest = Layout.open(layout).manifest
     stride = mixture_layers(layout)[0].experts.stride
     with zerolite.load(layout, prefetch_depth=2, **{**NVME, "cpu_memory": 6 * stride}) as lm:
         assert lm.plan.in_memory == () and lm.plan.expert_cache == 6 * stride

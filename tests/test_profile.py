@@ -44,7 +44,7 @@ def test_trace_shows_the_next_read_overlapping_compute_from_depth_2(capsys, monk
         assert {"reads (disk)", "compute", "steps"} <= tracks
         reads = [e for e in spans if names[e["tid"]] == "reads (disk)"]
         # Decode steps: in the first forward each block is also checked against its checksum.
-        prefill_end = min((e["ts"] + e["dur"] for e in spans if names[e["tid"]] == "steps"))
+        prefill_end = min(e["ts"] + e["dur"] for e in spans if names[e["tid"]] == "steps")
         computes = [e for e in spans if names[e["tid"]] == "compute" and e["ts"] > prefill_end]
         overlapping = 0
         for compute in computes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import namedtuple
+from functools import partial
 
 import psutil
 import pytest
@@ -128,7 +129,7 @@ def test_batch_size_auto_fills_the_memory_left(layout, monkeypatch):
         memory = namedtuple("memory", "available total")
         per_sequence = None
         for available, expected in ((10 << 30, 1000), (1 << 20, None)):
-            monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=available, total=available))
+            monkeypatch.setattr(psutil, "virtual_memory", partial(memory, available=available, total=available))
             if expected is None:
                 with pytest.raises(ZeroliteError, match="not even one sequence"):
                     largest_batch(lm, [2000], max_new_tokens=1000)
