@@ -44,6 +44,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import zerolite  # first: it sets torch's thread waits before torch loads (zerolite.openmp)
+
+# isort: split
 import torch
 from rich.console import Console
 from rich.table import Table

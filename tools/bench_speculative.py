@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 
 import zerolite  # first: it sets torch's thread waits before torch loads (zerolite.openmp)
+
+# isort: split
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -75,7 +77,7 @@ def main() -> None:
         encoded = encode(lm, [Prompt(str(r["id"]), r.get("prompt"), r.get("input_ids")) for r in rows], chat)
         sequences = {i: torch.tensor([encoded[int(i)] + plain["tokens"][i]]) for i in plain["tokens"]}
         model_logits = {i: logits_of(lm.model, ids) for i, ids in sequences.items()}
-        for (name, draft, group_size), result in zip(variants, runs.values()):
+        for (_name, draft, group_size), result in zip(variants, runs.values()):
             result["speed_up"] = round(result["stats"]["decode_tokens_per_s"] / plain["stats"]["decode_tokens_per_s"], 3)
             result["differences"] = differences(encoded, model_logits, plain["tokens"], result["tokens"], lm.model.dtype)
             if draft is not None:

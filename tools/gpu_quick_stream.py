@@ -49,6 +49,36 @@ def stream_case(c: Child, case: str) -> None:
     streamed_bytes = sum(blocks[name] for name in lm.plan.streamed)
     c.save(load_s=round(time.perf_counter() - started, 2), plan=plan, streamed_bytes=streamed_bytes)
     batches: dict = {}
+
+    def recorder(batch: int, read_before: int, began: float):
+        """A StepClock for one batch, and the record it calls after each step."""
+
+        def record(done: bool) -> None:
+            """The batch's figures so far, saved after a slow step too (a second or more: from disk), so that
+            a kill mid-batch leaves its steps; saving after a fast one would add to the next step's time."""
+            if not done and (len(clock.times) < 2 or clock.times[-1] - clock.times[-2] < 1.0):
+                return
+            steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+            median = statistics.median(steps) if steps else None
+            forwards = max(len(clock.times) - 1, 1)
+            kv_bytes = 0
+            if policy.get("kv_offload"):  # the host layers' K/V crosses the link at every step (an estimate)
+                seq = prompt + new_tokens // 2
+                kv_bytes = int(policy["kv_offload"] * s.layers) * batch * seq * s.kv_bytes_per_token()
+            batches[str(batch)] = {
+                "median_step_s": round(median, 5) if median else None, "steps": len(steps),
+                "step_s": [round(x, 5) for x in steps], "prefill_s": round(clock.prefill_s, 4),
+                "tokens_per_s": round(batch / median, 2) if median else None,
+                "generate_s": round(time.perf_counter() - began, 2), "weight_bytes_per_step": streamed_bytes,
+                "kv_bytes_per_step_estimate": kv_bytes, "moved_bytes_per_step": streamed_bytes + kv_bytes,
+                "read_gb_per_forward": round((lm.bytes_read - read_before) / forwards / 1e9, 3),
+                **({} if done else {"partial": True}),
+            }
+            c.save(batches=batches)
+
+        clock = StepClock(lambda rows: record(False))
+        return clock, record
+
     previous_s = 0.0
     try:
         for batch in s.batches:
@@ -57,33 +87,8 @@ def stream_case(c: Child, case: str) -> None:
                 c.save(batches=batches)
                 continue
             ids = prompts(s.vocab, batch, prompt)
-            read_before = lm.bytes_read
             began = time.perf_counter()
-
-            def record(done: bool) -> None:
-                """The batch's figures so far, saved after a slow step too (a second or more: from disk), so that
-                a kill mid-batch leaves its steps; saving after a fast one would add to the next step's time."""
-                if not done and (len(clock.times) < 2 or clock.times[-1] - clock.times[-2] < 1.0):
-                    return
-                steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
-                median = statistics.median(steps) if steps else None
-                forwards = max(len(clock.times) - 1, 1)
-                kv_bytes = 0
-                if policy.get("kv_offload"):  # the host layers' K/V crosses the link at every step (an estimate)
-                    seq = prompt + new_tokens // 2
-                    kv_bytes = int(policy["kv_offload"] * s.layers) * batch * seq * s.kv_bytes_per_token()
-                batches[str(batch)] = {
-                    "median_step_s": round(median, 5) if median else None, "steps": len(steps),
-                    "step_s": [round(x, 5) for x in steps], "prefill_s": round(clock.prefill_s, 4),
-                    "tokens_per_s": round(batch / median, 2) if median else None,
-                    "generate_s": round(time.perf_counter() - began, 2), "weight_bytes_per_step": streamed_bytes,
-                    "kv_bytes_per_step_estimate": kv_bytes, "moved_bytes_per_step": streamed_bytes + kv_bytes,
-                    "read_gb_per_forward": round((lm.bytes_read - read_before) / forwards / 1e9, 3),
-                    **({} if done else {"partial": True}),
-                }
-                c.save(batches=batches)
-
-            clock = StepClock(lambda rows: record(False))
+            clock, record = recorder(batch, lm.bytes_read, began)
             try:
                 with torch.no_grad():
                     lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
