@@ -33,7 +33,8 @@ def stream_case(c: Child, case: str) -> None:
     s = c.shapes
     policy = dict(STREAM_CASES[case][0])
     if case == "resident":  # the head, embeddings and norm always resident, then 4 layers
-        policy["gpu_memory"] = folder["always_bytes"] + 4 * folder["widest_layer_bytes"] + folder["widest_layer_bytes"] // 2
+        policy["gpu_memory"] = (folder["always_bytes"] + 4 * folder["widest_layer_bytes"]
+                                + folder["widest_layer_bytes"] // 2)
     new_tokens = s.disk_new_tokens if case == "disk" else s.new_tokens
     prompt = s.kv_prompt if case == "kv" else s.prompt
     if case == "disk":
@@ -94,7 +95,8 @@ def stream_case(c: Child, case: str) -> None:
                     lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
             except Exception as e:
-                batches[str(batch)] = {**batches.get(str(batch), {}), "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+                batches[str(batch)] = {**batches.get(str(batch), {}),
+                                       "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
                 c.save(batches=batches)
                 continue
             previous_s = time.perf_counter() - began
@@ -171,10 +173,12 @@ def summarize(intervals: list[tuple[str, object, float, float]], unit_s: float =
     busy = length(copies)
     ms = unit_s * 1e3
     return {"window_ms": round(window * ms, 3), "copy_stream": str(copy_stream),
-            "copy_busy_share": round(busy / window, 4), "longest_copy_gap_ms": round(max(gaps) * ms, 3) if gaps else None,
+            "copy_busy_share": round(busy / window, 4),
+            "longest_copy_gap_ms": round(max(gaps) * ms, 3) if gaps else None,
             "overlap_share": round(intersect(copies, kernels) / busy, 4) if busy else None,
             "kernel_busy_share": round(length(kernels) / window, 4),
-            "copies": sum(1 for kind, *_ in intervals if kind == "copy"), "kernels": sum(1 for kind, *_ in intervals if kind == "kernel")}
+            "copies": sum(1 for kind, *_ in intervals if kind == "copy"),
+            "kernels": sum(1 for kind, *_ in intervals if kind == "kernel")}
 
 
 @contextlib.contextmanager
@@ -251,7 +255,8 @@ def step_profile(c: Child) -> None:
             prof.export_chrome_trace(str(trace_path))
             trace = json.loads(trace_path.read_text())
             if c.dry:
-                result = {**summarize(simulated, unit_s=1.0), "source": "simulated device (copy landings, compute's operations)"}
+                result = {**summarize(simulated, unit_s=1.0),
+                          "source": "simulated device (copy landings, compute's operations)"}
             else:
                 result = {**summarize(intervals_from_trace(trace)), "source": "torch.profiler (CUDA)"}
             # The decode steps ran on the cache: the prompt and the two tokens (one would mean each step began anew).
