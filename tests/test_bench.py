@@ -77,7 +77,8 @@ def test_v2_cgroup_is_made_limited_and_entered(tmp_path):
     assert (cgroup.path / "memory.max").read_text() == "1500000000\n"
     assert "memory" in (root / "cgroup.subtree_control").read_text()
     command = cgroup.wrap(["python", "x.py"])
-    assert command[:2] == ["sh", "-c"] and command[3] == str(cgroup.path / "cgroup.procs") and command[-2:] == ["python", "x.py"]
+    assert command[:2] == ["sh", "-c"] and command[3] == str(cgroup.path / "cgroup.procs")
+    assert command[-2:] == ["python", "x.py"]
     (cgroup.path / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
     assert cgroup.oom_kills() == 1
 

@@ -157,7 +157,8 @@ def test_preflight_counts_pinned_bytes_against_physical_memory(tiny, monkeypatch
     sim = SimulatedDevice()
     layer = layer_bytes(layout)
     raw_need = 3 * layer + 2 * layer          # three layers held, two ring slots, at their size
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("memory", "available total")(raw_need + 4096, 1 << 40))
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: namedtuple("memory", "available total")(raw_need + 4096, 1 << 40))
     with pytest.raises(ZeroliteError, match="pins .* in host memory"):
         zerolite.load(layout, device=sim, offload="nvme", cpu_memory=3 * sim.pinned_cost(layer), gpu_memory=0,
                       show_progress=False)
@@ -249,7 +250,8 @@ def test_batch_size_auto_counts_host_kv_at_what_pinning_takes(tiny, monkeypatch)
         cost = sim.pinned_cost(2 * kv)
         assert cost > 2 * kv
         available = 100.5 * cost / (1 - MARGIN)
-        monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("memory", "available total")(available, 1 << 40))
+        monkeypatch.setattr(psutil, "virtual_memory",
+                            lambda: namedtuple("memory", "available total")(available, 1 << 40))
         assert largest_batch(lm, [prompt] * 1000, new) == 100
 
 

@@ -25,7 +25,8 @@ def make_model(source: Path, model_type: str, config: dict, layouts: dict[Path, 
 
     if not (source / "config.json").is_file():
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.bfloat16).save_pretrained(source)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config),
+                                         dtype=torch.bfloat16).save_pretrained(source)
     for layout, convert_args in layouts.items():
         if not (layout / MANIFEST).is_file():
             convert(str(source), layout, **convert_args)

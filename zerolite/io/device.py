@@ -164,7 +164,8 @@ class CpuDevice(Device):
         dst.copy_(src)
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        return aligned_empty(nbytes, huge_pages=False)  # a resident block's home: read into once (io.engine.host_mapping)
+        # a resident block's home: read into once (io.engine.host_mapping)
+        return aligned_empty(nbytes, huge_pages=False)
 
     def memory(self) -> tuple[int, int]:
         memory = psutil.virtual_memory()
@@ -292,7 +293,8 @@ class CudaDriver:
         """GPU index's primary context made current on this thread, and the previous one back after."""
         device, context = ctypes.c_int(), ctypes.c_void_p()
         self._check(self.library.cuDeviceGet(ctypes.byref(device), index), f"finding GPU {index}")
-        self._check(self.library.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), f"opening GPU {index}'s context")
+        self._check(self.library.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                    f"opening GPU {index}'s context")
         try:
             self._check(self.library.cuCtxPushCurrent_v2(context), f"making GPU {index}'s context current")
             try:
@@ -364,7 +366,8 @@ def registration_chunks(nbytes: int, starts: Sequence[int]) -> list[tuple[int, i
     return chunks
 
 
-def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int, starts: Sequence[int] = (0,)) -> torch.Tensor:
+def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int,
+               starts: Sequence[int] = (0,)) -> torch.Tensor:
     """array (inside mapping) page-locked for GPU index, in registration_chunks of its pieces
     (which begin at starts), as a uint8 tensor that keeps both alive."""
     address, nbytes = ctypes.addressof(array), len(array)
