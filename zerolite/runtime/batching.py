@@ -4,8 +4,8 @@ weights left, since one pass over the weights serves the whole batch.
     batch = largest_batch(lm, prompt_tokens=[12, 40, 7], max_new_tokens=64)
 
 The estimate is deliberately simple and errs large: K/V for every position of the longest prompt
-plus every new token, and the prefill's activations (the widest moment of a run) with attention
-scores materialised in fp32, as the eager and math attention paths do.
+plus every new token, and the prefill's activations (the widest moment of a run), both as
+zerolite.memory_model counts them, the planner's cost model alike.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import psutil
 
 from zerolite.errors import ZeroliteError
-from zerolite.runtime.kv_cache import kv_bytes_per_token, offloaded_share
+from zerolite.memory_model import ModelShape, kv_bytes_per_token, prefill_activation_bytes
+from zerolite.runtime.kv_cache import offloaded_share
 
 MARGIN = 0.10         # of the free memory, kept for the allocator's fragmentation and everything unforeseen
 MAX_BATCH = 4096
@@ -21,15 +22,13 @@ MAX_BATCH = 4096
 
 def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     """The largest batch, up to the number of prompts, that fits where the plan runs."""
-    config = lm.model.config.get_text_config(decoder=True)
+    config = lm.model.config
     dtype = lm.model.dtype
     longest = max(prompt_tokens)
     length = longest + max_new_tokens
     kv_offload = offloaded_share(lm.config, lm.policy.kv_offload) if lm.policy.kv_offload else 0.0
     kv = kv_bytes_per_token(config, dtype) * length                      # per sequence
-    hidden = config.hidden_size
-    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    activations = longest * (6 * hidden + 3 * intermediate) * dtype.itemsize + (getattr(config, "num_attention_heads", None) or 0) * longest * longest * 4
+    activations = prefill_activation_bytes(ModelShape.of(config), longest, dtype)
 
     host_free = psutil.virtual_memory().available * (1 - MARGIN)
     if lm.device.separate_memory:

@@ -1,0 +1,39 @@
+"""One memory model: the planner counts what the runtime allocates."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from tiny_models import tiny_config
+from zerolite.layout.folder import Layout
+from zerolite.layout.manifest import DTYPES
+from zerolite.memory_model import ModelShape, kv_bytes_per_token, prefill_activation_bytes
+from zerolite.planner.model_costs import ModelCosts
+from zerolite.quant.linear import dense_bytes, dequantize_workspace
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_planner_counts_a_quantized_layer_s_gpu_memory_as_the_runtime_does(make_layout, weights):
+    """The dequantised copy a GPU keeps of a resident layer, and the workspace streamed ones take:
+    from the config (the planner) and from the converted layout (budgets and preflight) alike."""
+    layout = Layout.open(make_layout("llama", layers=2, weights=weights))
+    manifest = layout.manifest
+    costs = ModelCosts.from_config(AutoConfig.from_pretrained(layout.side_folder), DTYPES[manifest.dtype])
+    fmt = costs.formats[weights]
+    assert fmt.dense_bytes == max(dense_bytes(manifest, name) for name in manifest.layer_names) > 0
+    assert fmt.workspace_bytes == dequantize_workspace(manifest) > 0
+    assert costs.formats["stored"].dense_bytes == costs.formats["stored"].workspace_bytes == 0
+
+
+def test_the_model_shape_is_read_once_for_k_v_attention_and_activations():
+    config = tiny_config("llama")
+    shape = ModelShape.of(config)
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.attending_layers) == (4, 2, 16, 3)
+    assert kv_bytes_per_token(config, DTYPES["float16"]) == 2 * 3 * 2 * 16 * 2
+    assert ModelCosts.from_config(config).attention_width == shape.attention_width == 64
+    # the prefill's scores grow with the square of the prompt, the rest in proportion
+    tokens = DTYPES["float32"]
+    assert (prefill_activation_bytes(shape, 20, tokens) - prefill_activation_bytes(shape, 10, tokens)
+            > prefill_activation_bytes(shape, 10, tokens) - prefill_activation_bytes(shape, 0, tokens))
+
