@@ -1,4 +1,4 @@
-"""One memory model: the planner counts what the runtime allocates."""
+"""One memory model: the planner counts what the runtime allocates, and one function decides the batch size."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from zerolite.layout.manifest import DTYPES
 from zerolite.memory_model import ModelShape, kv_bytes_per_token, prefill_activation_bytes
 from zerolite.planner.model_costs import ModelCosts
 from zerolite.quant.linear import dense_bytes, dequantize_workspace
+from zerolite.runtime.batching import MAX_BATCH, decide_batch_size
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -37,3 +38,14 @@ def test_the_model_shape_is_read_once_for_k_v_attention_and_activations():
     assert (prefill_activation_bytes(shape, 20, tokens) - prefill_activation_bytes(shape, 10, tokens)
             > prefill_activation_bytes(shape, 10, tokens) - prefill_activation_bytes(shape, 0, tokens))
 
+
+def test_one_function_decides_the_batch_size():
+    def never() -> int:
+        raise AssertionError("what fits is asked only for auto")
+
+    assert decide_batch_size(8, drafting=True, fits=never) == 1  # a draft runs one sequence at a time
+    assert decide_batch_size(8, planned=2, fits=never) == 8       # given: as given, whatever the plan chose
+    assert decide_batch_size(None) is None                        # auto, before the model is loaded
+    assert decide_batch_size(None, planned=16, fits=lambda: 40) == 16
+    assert decide_batch_size(None, planned=64, fits=lambda: 40) == 40
+    assert decide_batch_size(None, fits=lambda: MAX_BATCH) == MAX_BATCH

@@ -1,7 +1,7 @@
-"""--batch-size auto: the largest batch whose K/V cache and activations fit in the memory the
-weights left, since one pass over the weights serves the whole batch.
+"""The batch size: the one asked for, or (--batch-size auto) the largest batch whose K/V cache and
+activations fit in the memory the weights left, since one pass over the weights serves the whole batch.
 
-    batch = largest_batch(lm, prompt_tokens=[12, 40, 7], max_new_tokens=64)
+    batch = decide_batch_size(None, fits=lambda: largest_batch(lm, prompt_tokens=[12, 40, 7], max_new_tokens=64))
 
 The estimate is deliberately simple and errs large: K/V for every position of the longest prompt
 plus every new token, and the prefill's activations (the widest moment of a run), both as
@@ -9,6 +9,8 @@ zerolite.memory_model counts them, the planner's cost model alike.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import psutil
 
@@ -18,6 +20,24 @@ from zerolite.runtime.kv_cache import offloaded_share
 
 MARGIN = 0.10         # of the free memory, kept for the allocator's fragmentation and everything unforeseen
 MAX_BATCH = 4096
+
+
+def decide_batch_size(asked: int | None, drafting: bool = False, planned: int | None = None,
+                      fits: Callable[[], int] | None = None) -> int | None:
+    """The one place a job's batch size is decided, from what is known so far:
+
+    1. drafting (speculative decoding, which is for one sequence): 1
+    2. asked (the batch size given; None: auto): that
+    3. auto: the largest batch the memory holds (fits(), once the model is loaded: largest_batch's),
+       at most the planner's choice for the job (planned); None before the model is loaded
+    """
+    if drafting:
+        return 1
+    if asked is not None:
+        return asked
+    if fits is None:
+        return None
+    return min(fits(), planned or MAX_BATCH)
 
 
 def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
