@@ -76,12 +76,14 @@ def generate(
             if world.leads:
                 stderr.print(f"every prompt already has its completion in {output}: nothing to do")
             return
-        batch = decide_batch_size(options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE), drafting=draft is not None)
+        asked = options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+        batch = decide_batch_size(asked, drafting=draft is not None)
         if batch is not None:  # before minutes of loading (auto sizes are checked once known)
             world.each(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
         planned_batch, planned = None, None
         if world.size == 1 and draft is None and load["offload"] == "nvme" and None in (batch, load["cpu_memory"], load["prefetch_depth"]):
-            planned_batch, load, planned = plan_the_job(load, [p for p in todo if p.id not in done], max_new_tokens, batch)
+            left = [p for p in todo if p.id not in done]
+            planned_batch, load, planned = plan_the_job(load, left, max_new_tokens, batch)
         lm = stack.enter_context(options.load_model(load, world=world))
 
         def show(batch) -> None:

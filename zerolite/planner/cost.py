@@ -20,7 +20,9 @@ distinct experts of a random router (ModelCosts.expected_experts), and reads som
 no token picks (WRONG_GUESSES, from zerolite profile's early_unused_experts_per_step on the MoE
 bench model: 0.39 to 0.5 per guessed layer at batch 1). The prefill reads what a step
 reads and multiplies batch x prompt rows. Filling the host tier (and the GPU's resident layers)
-takes their bytes at the measured fill rate, once per job.
+takes their bytes at the measured fill rate, once per job. What a policy holds in memory (K/V, the
+prefill's activations, a GPU's dense copies and dequantisation) is zerolite.memory_model's count,
+the one the runtime's batch sizes, budgets and preflight use, so a batch planned is one that runs.
 """
 
 from __future__ import annotations

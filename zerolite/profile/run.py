@@ -224,11 +224,12 @@ def fewer_bytes(dtype: str, weights: str | None) -> str | None:
     if weights == "int4":
         return None
     size = DTYPES[dtype].itemsize
-    int8_bytes, int4_bytes = (quantized_bytes_per_weight(w, DTYPES[dtype], DEFAULT_GROUP_SIZE) for w in ("int8", "int4"))
-    int4 = f"int4 weights (zerolite convert MODEL --weights int4) read about {int4_bytes / (int8_bytes if weights else size):.2f}x"
+    int8, int4 = (quantized_bytes_per_weight(w, DTYPES[dtype], DEFAULT_GROUP_SIZE) for w in ("int8", "int4"))
+    now = int8 if weights else size  # bytes a weight of this layout
+    smaller = f"int4 weights (zerolite convert MODEL --weights int4) read about {int4 / now:.2f}x"
     if weights == "int8":
-        return f"move fewer bytes: {int4} of this int8 layout's"
-    advice = f"move fewer bytes: {int4} of this {dtype} layout's, int8 weights (--weights int8) {int8_bytes / size:.2f}x"
+        return f"move fewer bytes: {smaller} of this int8 layout's"
+    advice = f"move fewer bytes: {smaller} of this {dtype} layout's, int8 weights (--weights int8) {int8 / size:.2f}x"
     if size > 2:
         advice += "; a bf16 layout (zerolite convert MODEL --dtype bf16) reads 0.5x"
     return advice
