@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from tiny_models import tiny_config
@@ -11,7 +12,8 @@ from zerolite.layout.manifest import DTYPES
 from zerolite.memory_model import ModelShape, kv_bytes_per_token, prefill_activation_bytes
 from zerolite.planner.model_costs import ModelCosts
 from zerolite.quant.linear import dense_bytes, dequantize_workspace
-from zerolite.runtime.batching import MAX_BATCH, decide_batch_size
+from zerolite.runtime.batching import MAX_BATCH, decide_batch_size, host_kv_share
+from zerolite.runtime.kv_cache import offloaded_share
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -49,3 +51,13 @@ def test_one_function_decides_the_batch_size():
     assert decide_batch_size(None, planned=16, fits=lambda: 40) == 16
     assert decide_batch_size(None, planned=64, fits=lambda: 40) == 40
     assert decide_batch_size(None, fits=lambda: MAX_BATCH) == MAX_BATCH
+
+
+def test_a_hybrid_s_k_v_offloaded_is_counted_as_a_share_of_its_bytes_not_of_its_layers():
+    """Jamba's state-space layers hold no K/V and are never offloaded: --kv-offload 1 puts every
+    byte of K/V in host memory, though only half the layers (--batch-size auto once counted half)."""
+    jamba = tiny_config("jamba", layers=4)
+    assert offloaded_share(jamba, 1.0) == 0.5
+    assert host_kv_share(jamba, 1.0, torch.float32) == 1.0 and host_kv_share(jamba, 0.5, torch.float32) == 0.5
+    llama = tiny_config("llama", layers=4)
+    assert host_kv_share(llama, 0.5, torch.float32) == offloaded_share(llama, 0.5) == 0.5

@@ -2,8 +2,9 @@
 dequantisation of its quantized weights take, from the model's shape and the weights' format.
 
     shape = ModelShape.of(config)
-    kv_bytes_per_token(config, torch.bfloat16)          # one position of one sequence, every layer
-    prefill_activation_bytes(shape, 512, torch.bfloat16) # one sequence's widest moment
+    kv_bytes_per_token_by_layer(config, torch.bfloat16)  # one position of one sequence, layer by layer
+    kv_bytes_per_token(config, torch.bfloat16)           # the same, over every layer
+    prefill_activation_bytes(shape, 512, torch.bfloat16)  # one sequence's widest moment
 
 The runtime (--batch-size auto, budgets, preflight) and the planner (its cost model) both ask here,
 so that the batch the planner chooses is one the runtime lets run. The weights' own bytes in each
@@ -35,7 +36,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
-    attending_layers: int     # layers whose cache grows a position per token (sliding windows counted in full)
+    growing: tuple[bool, ...]  # per layer: whether its cache grows a position per token (a sliding window's counted)
 
     @classmethod
     def of(cls, config: PretrainedConfig) -> ModelShape:
@@ -46,15 +47,19 @@ class ModelShape:
             # A state-space, recurrent or linear-attention layer keeps a state whose size the tokens
             # do not change: only the layers with a growing cache count.
             layers = DynamicCache(config=text).layers
-            attending = sum(isinstance(layer, DynamicLayer) for layer in layers) if layers else text.num_hidden_layers
+            growing = tuple(isinstance(layer, DynamicLayer) for layer in layers) or (True,) * text.num_hidden_layers
         else:
-            attending = 0
+            growing = (False,) * text.num_hidden_layers
         return cls(
             hidden=hidden, intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden), heads=heads,
             kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(text, "head_dim", None) or hidden // heads) if heads else 0,
-            vocab=int(text.vocab_size), attending_layers=attending,
+            vocab=int(text.vocab_size), growing=growing,
         )
+
+    @property
+    def attending_layers(self) -> int:
+        return sum(self.growing)
 
     @property
     def attention_width(self) -> int:
@@ -62,11 +67,18 @@ class ModelShape:
         return self.heads * self.head_dim
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
-    """Bytes of K/V one token adds to the cache, over the layers that attend (a sliding window's
-    counted in full: at most). A model with no attention heads (mamba, rwkv) adds none."""
+def kv_bytes_per_token_by_layer(config: PretrainedConfig, dtype: torch.dtype) -> list[int]:
+    """Bytes of K/V one token adds to each layer's cache: none in a state-space, recurrent or
+    linear-attention layer, a sliding window's counted in full (at most)."""
     shape = ModelShape.of(config)
-    return 2 * shape.attending_layers * shape.kv_heads * shape.head_dim * dtype.itemsize
+    per_layer = 2 * shape.kv_heads * shape.head_dim * dtype.itemsize
+    return [per_layer if grows else 0 for grows in shape.growing]
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    """Bytes of K/V one token adds to the cache, over every layer. A model with no attention heads
+    (mamba, rwkv) adds none."""
+    return sum(kv_bytes_per_token_by_layer(config, dtype))
 
 
 def prefill_activation_bytes(shape: ModelShape, prompt_tokens: int, dtype: torch.dtype) -> int:

@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import psutil
+from transformers import DynamicCache
 
 from zerolite.errors import ZeroliteError
-from zerolite.memory_model import ModelShape, kv_bytes_per_token, prefill_activation_bytes
-from zerolite.runtime.kv_cache import offloaded_share
+from zerolite.memory_model import ModelShape, kv_bytes_per_token, kv_bytes_per_token_by_layer, prefill_activation_bytes
+from zerolite.runtime.kv_cache import host_layers
 
 MARGIN = 0.10         # of the free memory, kept for the allocator's fragmentation and everything unforeseen
 MAX_BATCH = 4096
@@ -46,7 +47,7 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     dtype = lm.model.dtype
     longest = max(prompt_tokens)
     length = longest + max_new_tokens
-    kv_offload = offloaded_share(lm.config, lm.policy.kv_offload) if lm.policy.kv_offload else 0.0
+    kv_offload = host_kv_share(config, lm.policy.kv_offload, dtype) if lm.policy.kv_offload else 0.0
     kv = kv_bytes_per_token(config, dtype) * length                      # per sequence
     activations = prefill_activation_bytes(ModelShape.of(config), longest, dtype)
 
@@ -70,3 +71,13 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
             f"{device_free / 1e9:.2f} GB is free; lower `max_new_tokens`, use `kv_offload`, or keep fewer blocks resident"
         )
     return max(1, min(fits, len(prompt_tokens), MAX_BATCH))
+
+
+def host_kv_share(config, fraction: float, dtype) -> float:
+    """The share of the K/V cache's bytes that a PartialOffloadCache of this fraction keeps in host
+    memory: its layers' share of the bytes, not of the layers, which a hybrid's state-space layers
+    (none of them offloaded, and holding no K/V) would dilute."""
+    per_layer = kv_bytes_per_token_by_layer(config, dtype)
+    text = config.get_text_config(decoder=True)
+    offloaded = host_layers(DynamicCache(config=text).layers, fraction)
+    return sum(per_layer[i] for i in offloaded) / sum(per_layer) if sum(per_layer) else 0.0
