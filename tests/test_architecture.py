@@ -17,7 +17,7 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # Lowest first: a module may import from its own room and from rooms below it, never above.
 LAYERS = [
-    ("errors", "openmp", "progress", "hf", "text", "sampling", "_engine"),
+    ("errors", "openmp", "progress", "hf", "text", "sampling", "memory_model", "_engine"),
     ("io",),
     ("layout",),
     ("quant",),

@@ -194,7 +194,7 @@ def test_kv_bytes_count_the_layers_that_attend_only():
     """The K/V figure generate prints and --batch-size auto divides memory by: a state-space model
     (no attention heads in its config) adds none per token, a hybrid only its attention layers'."""
     from support.tiny_models import tiny_config
-    from zerolite.runtime.kv_cache import kv_bytes_per_token
+    from zerolite.memory_model import kv_bytes_per_token
 
     per_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, fp32
     assert kv_bytes_per_token(tiny_config("llama"), torch.float32) == 3 * per_layer

@@ -22,7 +22,8 @@ from support.simulated_device import OrderingError, PageableCopyError, Simulated
 from zerolite.io.engine import aligned_empty
 from zerolite.runtime.batching import MARGIN, largest_batch
 from zerolite.errors import ZeroliteError
-from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, kv_bytes_per_token
+from zerolite.memory_model import kv_bytes_per_token
+from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache
 from zerolite.layout.folder import Layout
 from zerolite.planner.machine import measure_host_to_device
 from zerolite.profile.run import profile_run

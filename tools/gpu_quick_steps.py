@@ -52,8 +52,13 @@ class Shapes:
         return 2 * self.layer_params  # bf16
 
     def kv_bytes_per_token(self) -> int:
-        """One token's K and V in one layer, bf16."""
-        return 2 * self.kv_heads * self.head_dim * 2
+        """One token's K and V in one layer, bf16: zerolite.memory_model's count, over the layers."""
+        import torch
+        from transformers import LlamaConfig
+
+        from zerolite.memory_model import kv_bytes_per_token
+
+        return kv_bytes_per_token(LlamaConfig(**llama_config(self)), torch.bfloat16) // self.layers
 
 
 REAL = Shapes(hidden=8192, intermediate=28672, heads=64, kv_heads=8, layers=8, vocab=4096,

@@ -7,8 +7,9 @@ bytes a step streams and what that costs at the speed the disk read while loadin
 
 from __future__ import annotations
 
+from zerolite.memory_model import kv_bytes_per_token
 from zerolite.progress import stderr
-from zerolite.runtime.kv_cache import kv_bytes_per_token, offloaded_share
+from zerolite.runtime.kv_cache import offloaded_share
 
 
 def show_plan(lm, batch_size: int, tokens: int, chosen: bool = False) -> None:

@@ -24,8 +24,10 @@ from zerolite.generate.run import speculation_dict
 from zerolite.layout.manifest import DTYPES
 from zerolite.layout.read_pass import read_pass
 from zerolite.lm import OffloadedLM
+from zerolite.memory_model import quantized_bytes_per_weight
 from zerolite.openmp import threads_may_spin
 from zerolite.planner.machine import measure_host_to_device
+from zerolite.quant.quantize import DEFAULT_GROUP_SIZE
 from zerolite.runtime.timeline import Span, Timeline
 
 WAITING = 0.15  # compute waiting less than this share of a step is not held up by transfers
@@ -226,15 +228,15 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
 def fewer_bytes(dtype: str, weights: str | None) -> str | None:
     """What moves fewer bytes per step than this layout: 4- or 8-bit weights, and for a 32-bit
     layout a 16-bit one too (never what the layout is already)."""
-    size = DTYPES[dtype].itemsize
     if weights == "int4":
         return None
-    # int4's bytes per weight at the default group of 64: half a byte, and a 16-bit scale and zero point per group
-    int4_share = (0.5 + 4 / 64) / (1 if weights else size)
-    int4 = f"int4 weights (zerolite convert MODEL --weights int4) read about {int4_share:.2f}x"
+    size = DTYPES[dtype].itemsize
+    int8, int4 = (quantized_bytes_per_weight(w, DTYPES[dtype], DEFAULT_GROUP_SIZE) for w in ("int8", "int4"))
+    now = int8 if weights else size  # bytes a weight of this layout
+    smaller = f"int4 weights (zerolite convert MODEL --weights int4) read about {int4 / now:.2f}x"
     if weights == "int8":
-        return f"move fewer bytes: {int4} of this int8 layout's"
-    advice = f"move fewer bytes: {int4} of this {dtype} layout's, int8 weights (--weights int8) {1 / size:.2f}x"
+        return f"move fewer bytes: {smaller} of this int8 layout's"
+    advice = f"move fewer bytes: {smaller} of this {dtype} layout's, int8 weights (--weights int8) {int8 / size:.2f}x"
     if size > 2:
         advice += "; a bf16 layout (zerolite convert MODEL --dtype bf16) reads 0.5x"
     return advice
