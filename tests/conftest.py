@@ -2,7 +2,6 @@ import atexit
 import fcntl
 import os
 import shutil
-import sys
 import tempfile
 
 import pytest
@@ -15,9 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if "ZEROLITE_CACHE" not in os.environ:
     os.environ["ZEROLITE_CACHE"] = tempfile.mkdtemp(prefix="zerolite-tests-")
     atexit.register(shutil.rmtree, os.environ["ZEROLITE_CACHE"], ignore_errors=True)
-sys.path.insert(0, os.path.dirname(__file__))
 
-from layouts import TinyLayouts  # noqa: E402  (importable once the path above is set)
+from support.layouts import TinyLayouts  # noqa: E402  (after the cache folder above is chosen)
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +36,7 @@ def make_layout(tiny_layouts):
     return tiny_layouts.layout
 
 
-from simulated_device import SimulatedDevice  # noqa: E402
+from support.simulated_device import SimulatedDevice  # noqa: E402
 from zerolite.io.device import cuda_available  # noqa: E402
 
 GPUS = ["sim", "cuda"]

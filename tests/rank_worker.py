@@ -13,14 +13,11 @@ import argparse
 import json
 import os
 import signal
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import zerolite  # noqa: E402  (before torch: zerolite sets OpenMP's waiting policy)
-from simulated_device import SimulatedDevice  # noqa: E402
+import zerolite  # before torch: zerolite sets OpenMP's waiting policy
+from support.simulated_device import SimulatedDevice  # tests/ is the script's folder, so on the path
 
 
 def main() -> None:

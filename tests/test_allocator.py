@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import zerolite
-from simulated_device import SimulatedDevice
+from support.simulated_device import SimulatedDevice
 from zerolite.io.device import ALLOCATOR_SETTINGS, CudaDevice
 from zerolite.runtime.batching import largest_batch
-from zerolite.runtime.kv_cache import kv_bytes_per_token
+from zerolite.memory_model import kv_bytes_per_token
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ from pathlib import Path
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "zerolite"
-README = Path(__file__).resolve().parents[1] / "README.md"
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # Lowest first: a module may import from its own room and from rooms below it, never above.
 LAYERS = [
-    ("errors", "openmp", "progress", "hf", "text", "sampling", "_engine"),
+    ("errors", "openmp", "progress", "hf", "text", "sampling", "memory_model", "_engine"),
     ("io",),
     ("layout",),
     ("quant",),
@@ -184,15 +184,24 @@ def test_only_lm_reaches_the_executor():
     assert users == []
 
 
-def readme_rooms() -> list[str]:
-    """The subpackages the README's layout section names: one `zerolite/NAME/` line each."""
-    section = README.read_text().split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
+def documented_rooms() -> list[str]:
+    """The subpackages docs/architecture.md's layout section names: one `zerolite/NAME/` line each."""
+    section = ARCHITECTURE.read_text().split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\s*zerolite/(\w+)/", section, flags=re.M)
 
 
-def test_the_readme_layout_is_the_tree():
+def test_the_documented_layout_is_the_tree():
     rooms = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
-    assert sorted(readme_rooms()) == rooms
+    assert sorted(documented_rooms()) == rooms
+
+
+def test_the_picture_of_the_house_is_the_layers(monkeypatch):
+    """docs/architecture.md's diagram is drawn from LAYERS by tools/house_diagram.py: a floor
+    changed here and not redrawn there fails."""
+    monkeypatch.syspath_prepend(str(PACKAGE.parent / "tools"))
+    from house_diagram import block, drawn
+
+    assert drawn(ARCHITECTURE.read_text()) == block(LAYERS), "run python tools/house_diagram.py"
 
 
 def zerolite_imports() -> set[tuple[str, str]]:

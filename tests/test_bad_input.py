@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from transformers import T5Config
 
-from cli_runner import assert_one_line_error, run
-from tiny_models import tiny_config
+from support.cli_runner import assert_one_line_error, run
+from support.tiny_models import tiny_config
 from zerolite.convert.writer import JOURNAL
 from zerolite.io.device import cuda_available
 
@@ -36,8 +36,8 @@ CASES = [
     case("convert {tmp} --path {tmp}/out", "no config.json", id="convert-empty-model-folder"),
     case("convert {tmp}/model --path {tmp}/out", "no config.json", id="convert-weights-without-config",
          files={"model/model.safetensors": WEIGHTS}),
-    case("convert {tmp}/model --path {tmp}/out", "no weights in", "model.safetensors", id="convert-config-without-weights",
-         files={"model/config.json": LLAMA_CONFIG}),
+    case("convert {tmp}/model --path {tmp}/out", "no weights in", "model.safetensors",
+         id="convert-config-without-weights", files={"model/config.json": LLAMA_CONFIG}),
     case("convert {tmp}/notes.txt --path {tmp}/out", "is a file, not a model folder", id="convert-model-is-a-text-file",
          files={"notes.txt": "hello"}),
     case("convert {tmp}/model --path {tmp}/out", "cannot read the model config", id="convert-unsupported-architecture",
@@ -53,11 +53,12 @@ CASES = [
          id="convert-path-under-a-file", files={"a-file": ""}),
     case("convert {source} --path /proc/zerolite-layout", "cannot write to --path", id="convert-path-read-only"),
     case("convert {source} --path {tmp}/out --dtype fp8", "unknown --dtype", "bf16", id="convert-unknown-dtype"),
-    case("convert {source} --path {tmp}/out --weights int3", "unknown --weights 'int3'", "int8", id="convert-unknown-weights"),
+    case("convert {source} --path {tmp}/out --weights int3", "unknown --weights 'int3'", "int8",
+         id="convert-unknown-weights"),
     case("convert {source} --path {tmp}/out --weights int4 --group-size 48", "--group-size 48", "32, 64 or 128",
          id="convert-int4-unknown-group-size"),
-    case("convert {source} --path {tmp}/out --weights int8 --group-size 32", "--group-size", "one scale per output channel",
-         id="convert-group-size-for-int8"),
+    case("convert {source} --path {tmp}/out --weights int8 --group-size 32", "--group-size",
+         "one scale per output channel", id="convert-group-size-for-int8"),
     case("convert {source} --path {tmp}/out --group-size 32", "--group-size is for int4 weights", "--weights int4",
          id="convert-group-size-without-weights"),
     case("convert", "Missing option '--path'", id="convert-missing-path-option"),
@@ -76,15 +77,18 @@ CASES = [
     case("generate --model {layout} --device cpu", "nothing to generate from", id="generate-no-prompt"),
     case("generate hi --model {layout} --device cpu --batch-size abc", "--batch-size", "not a number", "auto",
          id="generate-batch-size-not-a-number"),
-    case("generate hi --model {layout} --device cpu --batch-size many", "--batch-size", "auto", id="generate-batch-size-a-word"),
-    case("generate hi --model {layout} --device cpu --batch-size 0", "--batch-size", "at least 1", id="generate-batch-size-0"),
-    case("generate hi --model {layout} --device cpu --max-new-tokens 0", "--max-new-tokens", "greater than or equal to 1",
-         id="generate-max-new-tokens-0"),
-    case("generate hi --model {layout} --device cpu --max-new-tokens -5", "--max-new-tokens", "greater than or equal to 1",
-         id="generate-max-new-tokens-negative"),
-    case("generate hi --model {layout} --device cpu --prefetch-depth 0", "--prefetch-depth", "greater than or equal to 1",
-         id="generate-prefetch-depth-0"),
-    case("generate hi --model {layout} --device cpu --offload disk", "unknown --offload", "nvme", id="generate-unknown-offload"),
+    case("generate hi --model {layout} --device cpu --batch-size many", "--batch-size", "auto",
+         id="generate-batch-size-a-word"),
+    case("generate hi --model {layout} --device cpu --batch-size 0", "--batch-size", "at least 1",
+         id="generate-batch-size-0"),
+    case("generate hi --model {layout} --device cpu --max-new-tokens 0", "--max-new-tokens",
+         "greater than or equal to 1", id="generate-max-new-tokens-0"),
+    case("generate hi --model {layout} --device cpu --max-new-tokens -5", "--max-new-tokens",
+         "greater than or equal to 1", id="generate-max-new-tokens-negative"),
+    case("generate hi --model {layout} --device cpu --prefetch-depth 0", "--prefetch-depth",
+         "greater than or equal to 1", id="generate-prefetch-depth-0"),
+    case("generate hi --model {layout} --device cpu --offload disk", "unknown --offload", "nvme",
+         id="generate-unknown-offload"),
     case("generate hi --model {layout} --device cpu --dtype fp8", "unknown --dtype", id="generate-unknown-dtype"),
     case("generate hi --model {layout} --device tpu", "unknown --device", id="generate-unknown-device"),
     case("generate hi --model {layout} --device cpu --sample --temperature hot", "--temperature", "valid number",
@@ -98,27 +102,32 @@ CASES = [
          id="generate-cpu-memory-without-unit"),
     case("generate hi --model {layout} --device cpu --gpu-memory much", "--gpu-memory", "not a size",
          id="generate-gpu-memory-not-a-size"),
-    case("generate hi --model {layout} --device cpu --kv-offload 1.5", "--kv-offload", "from 0 to 1", id="generate-kv-offload-above-1"),
+    case("generate hi --model {layout} --device cpu --kv-offload 1.5", "--kv-offload", "from 0 to 1",
+         id="generate-kv-offload-above-1"),
     case("generate hi --model {layout} --device cpu --kv-offload -0.1", "--kv-offload", "from 0 to 1",
          id="generate-kv-offload-negative"),
     # generate: files in and out
-    case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist", id="generate-input-missing"),
+    case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist",
+         id="generate-input-missing"),
     case("generate --model {layout} --device cpu --input {tmp}", "is not a file", id="generate-input-is-a-folder"),
-    case("generate hi --model {layout} --device cpu --output /nonexistent/out.jsonl", "folder /nonexistent does not exist",
-         id="generate-output-folder-missing"),
-    case("generate hi --model {layout} --device cpu --output {tmp}", "cannot write --output", id="generate-output-is-a-folder"),
-    case("generate hi --model {layout} --device cpu --stats-json /no/such/dir/s.json", "folder /no/such/dir does not exist",
-         id="generate-stats-json-folder-missing"),
+    case("generate hi --model {layout} --device cpu --output /nonexistent/out.jsonl",
+         "folder /nonexistent does not exist", id="generate-output-folder-missing"),
+    case("generate hi --model {layout} --device cpu --output {tmp}", "cannot write --output",
+         id="generate-output-is-a-folder"),
+    case("generate hi --model {layout} --device cpu --stats-json /no/such/dir/s.json",
+         "folder /no/such/dir does not exist", id="generate-stats-json-folder-missing"),
     # generate: the prompts file
     case(PROMPTS, "holds no prompts", id="prompts-empty", files={"in.jsonl": b""}),
     case(PROMPTS, "holds no prompts", id="prompts-blank-lines", files={"in.jsonl": b"\n  \n"}),
     case(PROMPTS, "line 2", "not valid JSON", id="prompts-line-not-json",
          files={"in.jsonl": b'{"id": 1, "input_ids": [1, 2]}\n{"id": 2, "input_ids": [1,\n'}),
-    case(PROMPTS, "line 1", "not UTF-8", id="prompts-not-utf8", files={"in.jsonl": b'{"id": 1, "prompt": "caf\xe9"}\n'}),
+    case(PROMPTS, "line 1", "not UTF-8", id="prompts-not-utf8",
+         files={"in.jsonl": b'{"id": 1, "prompt": "caf\xe9"}\n'}),
     case(PROMPTS, "line 1", "not an object", id="prompts-line-not-an-object", files={"in.jsonl": b"[1, 2, 3]\n"}),
     case(PROMPTS, "line 1", '"id"', id="prompts-no-id", files={"in.jsonl": b'{"input_ids": [1]}\n'}),
     case(PROMPTS, "line 1", "exactly one of", id="prompts-neither-prompt-nor-ids", files={"in.jsonl": b'{"id": 1}\n'}),
-    case(PROMPTS, "line 1", "non-empty list", id="prompts-empty-ids", files={"in.jsonl": b'{"id": 1, "input_ids": []}\n'}),
+    case(PROMPTS, "line 1", "non-empty list", id="prompts-empty-ids",
+         files={"in.jsonl": b'{"id": 1, "input_ids": []}\n'}),
     case(PROMPTS, "line 2", "appears twice", id="prompts-id-twice",
          files={"in.jsonl": b'{"id": 1, "input_ids": [1]}\n{"id": 1, "input_ids": [2]}\n'}),
     case(PROMPTS, "token id 100000", "vocabulary", id="prompts-token-past-vocabulary",
@@ -138,7 +147,8 @@ CASES = [
          id="profile-new-tokens-1"),
     case("profile --model {layout} --device cpu --batch-size 0", "--batch-size", "greater than or equal to 1",
          id="profile-batch-size-0"),
-    case("profile --model {layout} --device cpu --prefetch-depth -2", "--prefetch-depth", id="profile-prefetch-depth-negative"),
+    case("profile --model {layout} --device cpu --prefetch-depth -2", "--prefetch-depth",
+         id="profile-prefetch-depth-negative"),
     case("profile --model {layout} --device cpu --offload ssd", "unknown --offload", id="profile-unknown-offload"),
     case("profile --model {layout} --device cpu --plot /nonexistent/t.png", "folder /nonexistent does not exist",
          id="profile-plot-folder-missing"),
@@ -146,7 +156,8 @@ CASES = [
 
 
 @pytest.mark.parametrize(("argv", "expected", "files"), CASES)
-def test_bad_input_ends_in_one_clear_line(capsys, monkeypatch, tmp_path, make_source, make_layout, argv, expected, files):
+def test_bad_input_ends_in_one_clear_line(capsys, monkeypatch, tmp_path, make_source, make_layout, argv, expected,
+                                          files):
     for name, content in files.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,6 @@ llama.cpp contenders run (read back by transformers; llama.cpp itself is not ins
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import gguf
@@ -17,12 +16,10 @@ from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
 from zerolite.layout.read_pass import read_pass
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-from bench import agreement, build_parser  # noqa: E402  (tools/ is on the path from here on)
-from bench_cgroup import MemoryCgroup, hierarchy, parse_limit  # noqa: E402
-from bench_gguf import gguf_folder, make_gguf  # noqa: E402
-from tiny_models import VOCAB  # noqa: E402
+from bench import agreement, build_parser  # tools/ is on the path: pyproject's pythonpath
+from bench_cgroup import MemoryCgroup, hierarchy, parse_limit
+from bench_gguf import gguf_folder, make_gguf
+from support.tiny_models import VOCAB
 
 REQUIRED = ["--source", "s", "--layout", "l"]
 
@@ -80,7 +77,8 @@ def test_v2_cgroup_is_made_limited_and_entered(tmp_path):
     assert (cgroup.path / "memory.max").read_text() == "1500000000\n"
     assert "memory" in (root / "cgroup.subtree_control").read_text()
     command = cgroup.wrap(["python", "x.py"])
-    assert command[:2] == ["sh", "-c"] and command[3] == str(cgroup.path / "cgroup.procs") and command[-2:] == ["python", "x.py"]
+    assert command[:2] == ["sh", "-c"] and command[3] == str(cgroup.path / "cgroup.procs")
+    assert command[-2:] == ["python", "x.py"]
     (cgroup.path / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
     assert cgroup.oom_kills() == 1
 

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from cli_runner import assert_one_line_error, run
+from support.cli_runner import assert_one_line_error, run
 
 
 def test_truncated_safetensors(capsys, monkeypatch, tmp_path, make_source):

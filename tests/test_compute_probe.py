@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from cli_runner import run
+from support.cli_runner import run
 from zerolite.io.device import CpuDevice
 from zerolite.planner import compute_probe, hardware, measurements
 from zerolite.planner.compute_probe import LAYER_CONTEXT, LAYER_ROWS, LAYER_STEPS, probe_layer
@@ -35,8 +35,9 @@ FAMILIES = {
                   mamba_chunk_size=16),
     "recurrent_gemma": dict(lru_width=32, attention_window_size=WINDOW, block_types=["recurrent", "attention"]),
     # three linear-attention layers, then one of full attention: its first two layers alone do not run
-    "qwen3_next": dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "qwen3_next": dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16,
+                       linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32),
     "minimax": dict(num_local_experts=4, num_experts_per_tok=2, block_size=8),   # a cache class of its own
     "rwkv": dict(attention_hidden_size=32, context_length=256),                  # a `state`, not a cache
     "llama": dict(),
@@ -60,7 +61,8 @@ def test_a_sliding_window_is_decoded_past_its_end_without_rolling_a_cache_back()
     """A sliding layer's cache keeps only its window: one that a step ran past cannot be cropped
     back to the context before it, so the probe must never try (it once did, after every step)."""
     config = tiny("gemma2")
-    assert config.sliding_window < LAYER_CONTEXT + LAYER_STEPS and "sliding_attention" in shrunk(config, 2)[0].layer_types
+    assert config.sliding_window < LAYER_CONTEXT + LAYER_STEPS
+    assert "sliding_attention" in shrunk(config, 2)[0].layer_types
     probed = probe_layer(config, torch.float32, CpuDevice())
     assert len(probed["layer"]) >= 2
 
@@ -71,8 +73,8 @@ def test_a_shrunk_config_keeps_a_layer_of_each_kind_and_what_share_each_stands_f
     gemma = shrunk(tiny("gemma3_text", num_hidden_layers=12, sliding_window_pattern=6), 2)  # 5 sliding : 1 full
     assert gemma[0].layer_types == ["sliding_attention", "full_attention"] and gemma[1] == pytest.approx([5 / 6, 1 / 6])
     gemma = shrunk(tiny("gemma2", num_hidden_layers=6), 3)  # fewer kinds than layers: the earliest others too
-    assert gemma == (gemma[0], [0.25, 0.5, 0.25]) and gemma[0].layer_types == ["sliding_attention", "full_attention"] * 1 + [
-        "sliding_attention"]
+    assert gemma == (gemma[0], [0.25, 0.5, 0.25])
+    assert gemma[0].layer_types == ["sliding_attention", "full_attention"] * 1 + ["sliding_attention"]
     bamba = shrunk(tiny("bamba", num_hidden_layers=8, attn_layer_indices=[5]), 2)  # layers named by index: renumbered
     assert bamba[0].attn_layer_indices == [1] and bamba[0].layers_block_type == ["linear_attention", "full_attention"]
     assert bamba[1] == [7 / 8, 1 / 8]
@@ -81,7 +83,8 @@ def test_a_shrunk_config_keeps_a_layer_of_each_kind_and_what_share_each_stands_f
     mamba = shrunk(tiny("mamba"), 1)[0]
     assert mamba.layer_types == ["linear_attention"] and mamba.vocab_size == PROBE_VOCAB
     phi = shrunk(tiny("llama", vocab_size=32064, pad_token_id=32000, eos_token_id=[2, 32007]), 2)[0]
-    assert (phi.pad_token_id, phi.eos_token_id) == (None, None)  # ids past the tiny vocabulary: an embedding refuses them
+    # ids past the tiny vocabulary: an embedding refuses them
+    assert (phi.pad_token_id, phi.eos_token_id) == (None, None)
     composite = AutoConfig.for_model("gemma3", text_config={**ATTENTION, "num_hidden_layers": 6},
                                      vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                         intermediate_size=64))
@@ -154,8 +157,8 @@ def test_a_probe_that_fails_costs_generate_nothing(failing_probe, make_source, t
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": 0, "input_ids": [5, 17, 33]}\n')
     monkeypatch.setattr(measurements, "DISK_RECORDED_BYTES", 0)  # the tiny model's file stands for its disk
-    result = run(capsys, monkeypatch, "generate", "--model", make_source("llama"), "--device", "cpu", "--input", prompts,
-                 "--output", tmp_path / "out.jsonl", "--max-new-tokens", "3")
+    result = run(capsys, monkeypatch, "generate", "--model", make_source("llama"), "--device", "cpu", "--input",
+                 prompts, "--output", tmp_path / "out.jsonl", "--max-new-tokens", "3")
     assert result.code == 0, result.stderr
     assert result.stderr.count(FALLBACK) == 1 and "plan for 1 prompts" in result.stderr
     assert len(json.loads((tmp_path / "out.jsonl").read_text())["token_ids"]) == 3
@@ -171,8 +174,8 @@ def test_any_fault_of_the_planner_leaves_generate_its_defaults(make_source, tmp_
     monkeypatch.setattr(for_job, "choose_for_job", faulty)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": 0, "input_ids": [5, 17, 33]}\n')
-    result = run(capsys, monkeypatch, "generate", "--model", make_source("llama"), "--device", "cpu", "--input", prompts,
-                 "--output", tmp_path / "out.jsonl", "--max-new-tokens", "3")
+    result = run(capsys, monkeypatch, "generate", "--model", make_source("llama"), "--device", "cpu", "--input",
+                 prompts, "--output", tmp_path / "out.jsonl", "--max-new-tokens", "3")
     assert result.code == 0, result.stderr
     assert "plan: none for this job ('rope_theta'); the default budgets stand" in result.stderr.splitlines()
 

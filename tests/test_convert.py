@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import zerolite.convert.writer as convert_module
-from cli_runner import assert_one_line_error, run
-from tiny_models import build_tiny_model, save_tiny_model
+from support.cli_runner import assert_one_line_error, run
+from support.tiny_models import build_tiny_model, save_tiny_model
 from zerolite.convert.read_ahead import read_ahead
 from zerolite.convert.writer import JOURNAL, convert
 from zerolite.errors import ZeroliteError

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from cli_runner import assert_one_line_error, run
-from helpers import generate_args, lines_by_id
+from support.cli_runner import assert_one_line_error, run
+from support.helpers import generate_args, lines_by_id
 from zerolite.io.engine import FAULT_VARIABLE
 
 LAYERS = 6
@@ -57,7 +57,8 @@ def test_sigkill_at_random_moments_then_rerun_loses_and_repeats_nothing(capsys, 
     rng = random.Random(7)
     kills = 0
     for _ in range(6):
-        process = subprocess.Popen([ZEROLITE, *streamed(layout, prompts, output)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen([ZEROLITE, *streamed(layout, prompts, output)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(1.5, 5.0))  # inside start-up, or somewhere among the batches
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
@@ -99,7 +100,8 @@ def test_an_output_that_is_some_other_file_is_left_alone(capsys, monkeypatch, tm
 
 @pytest.mark.parametrize(("fault", "cause"), [("eio@3", "Input/output error"), ("short@3", "short read"),
                                                ("eio@400", "Input/output error"), ("short@400", "short read")])
-def test_io_faults_inside_the_engine_end_in_one_clear_line(capsys, monkeypatch, tmp_path, layout, prompts, fault, cause):
+def test_io_faults_inside_the_engine_end_in_one_clear_line(capsys, monkeypatch, tmp_path, layout, prompts, fault,
+                                                           cause):
     """@3: while loading the resident blocks; @400: while streaming layers. (The engine reads the
     fault when it starts, so this process will do.)"""
     monkeypatch.setenv(FAULT_VARIABLE, fault)
@@ -108,7 +110,8 @@ def test_io_faults_inside_the_engine_end_in_one_clear_line(capsys, monkeypatch, 
     assert done.code == 1
     # The plan may come first when the fault strikes after loading; the error is one line, the last.
     errors = [line for line in done.stderr.splitlines() if line.startswith("zerolite: error:")]
-    assert len(errors) == 1 and done.stderr.splitlines()[-1] == errors[0] and "Traceback" not in done.stderr, done.stderr
+    assert len(errors) == 1 and done.stderr.splitlines()[-1] == errors[0], done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
     assert cause in errors[0] and "weights.bin" in errors[0] and "convert the model again" in errors[0]
     for line in output.read_text().splitlines():  # whatever was written is whole
         json.loads(line)

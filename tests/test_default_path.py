@@ -20,9 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zerolite
-from cli_runner import Result, assert_one_line_error, run
-from helpers import greedy, new_tokens_alone
-from tiny_models import ARCHS, MOE_SHAPES
+from support.cli_runner import Result, assert_one_line_error, run
+from support.helpers import greedy, new_tokens_alone
+from support.tiny_models import ARCHS, MOE_SHAPES
 from zerolite.hf import keep_experts_implementation
 from zerolite.io.device import cuda_available
 
@@ -167,7 +167,7 @@ SERVED = {
 
 @pytest.mark.parametrize("arch", SERVED)
 def test_serve_defaults_answer_a_first_request_as_transformers(arch, make_source):
-    from live_server import LiveServer  # serve's extras (uvicorn, FastAPI): the other tests here run without them
+    from support.live_server import LiveServer  # serve's extras (uvicorn, FastAPI): the other tests here run without them
     from zerolite.serve.server import ServeSettings
 
     source = make_source(arch, **SERVED[arch])
@@ -193,8 +193,8 @@ def test_serve_refuses_a_state_space_model_in_one_line(make_source, capsys, monk
 def test_kv_bytes_count_the_layers_that_attend_only():
     """The K/V figure generate prints and --batch-size auto divides memory by: a state-space model
     (no attention heads in its config) adds none per token, a hybrid only its attention layers'."""
-    from tiny_models import tiny_config
-    from zerolite.runtime.kv_cache import kv_bytes_per_token
+    from support.tiny_models import tiny_config
+    from zerolite.memory_model import kv_bytes_per_token
 
     per_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, fp32
     assert kv_bytes_per_token(tiny_config("llama"), torch.float32) == 3 * per_layer

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zerolite
-from helpers import PAD, greedy
+from support.helpers import PAD, greedy
 from zerolite.errors import ZeroliteError
 from zerolite.hf import keep_experts_implementation
 from zerolite.layout.folder import Layout
@@ -56,7 +56,8 @@ def layout_and_reference(arch: str, make_source, make_layout):
             # Off the CPU, generate would decode a mixture with batched_mm, whose sums round
             # differently (2e-4 on tiny logits); zerolite keeps the kernel the model was built with.
             keep_experts_implementation(model)
-            references[device] = [greedy(model, rows, NEW_TOKENS, logits=True, device=device) for rows in (SINGLE, BATCH)]
+            references[device] = [greedy(model, rows, NEW_TOKENS, logits=True, device=device)
+                                  for rows in (SINGLE, BATCH)]
         return references[device]
 
     return make_layout(arch, layers=LAYERS), reference
@@ -140,7 +141,8 @@ def test_streaming_reads_every_layer_each_forward_and_nothing_when_resident(tiny
     layout, _ = tiny
     with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=1, show_progress=False) as lm:
         layer_bytes = sum(b.length for b in lm.layout.blocks if b.name.startswith("layers."))
-        forwards = greedy(lm, SINGLE, NEW_TOKENS, logits=True).sequences.shape[1] - len(SINGLE[0])  # fewer on an end token
+        # fewer on an end token
+        forwards = greedy(lm, SINGLE, NEW_TOKENS, logits=True).sequences.shape[1] - len(SINGLE[0])
         assert lm.bytes_read == forwards * layer_bytes
     for offload in ("cpu", "none"):
         with zerolite.load(layout, offload=offload, device="cpu", show_progress=False) as lm:
@@ -188,7 +190,8 @@ def test_generate_takes_transformers_generation_arguments(tiny):
     streamer = Collect()
     with zerolite.load(layout, offload="nvme", device="cpu", show_progress=False) as lm:
         out = lm.generate(
-            input_ids=torch.tensor(SINGLE), generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD),
+            input_ids=torch.tensor(SINGLE),
+            generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD),
             stopping_criteria=StoppingCriteriaList([StopAfterThree()]), streamer=streamer,
         )
     expected = reference("cpu")[0].sequences[:, : len(SINGLE[0]) + 3]

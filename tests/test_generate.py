@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cli_runner import assert_one_line_error, run
-from helpers import greedy
-from tiny_models import save_tiny_model
+from support.cli_runner import assert_one_line_error, run
+from support.helpers import greedy
+from support.tiny_models import save_tiny_model
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 6

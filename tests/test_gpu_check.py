@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import run_tool
+from support.cli_runner import run_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_help_names_the_steps_and_the_options(capsys, monkeypatch):
     done = run_tool(capsys, monkeypatch, "gpu_check", "--help")
     assert done.code == 0
-    for fragment in ("TORCH_CUDA_SANITIZER=1", "tools/bench.py", "zerolite profile", "--out", "--batch-sizes", "--timeout"):
+    for fragment in ("TORCH_CUDA_SANITIZER=1", "tools/bench.py", "zerolite profile", "--out", "--batch-sizes",
+                     "--timeout"):
         assert fragment in done.stdout
 
 

@@ -31,8 +31,8 @@ def gpu_quick(tools):
 def test_a_dry_run_writes_every_section_of_the_report(tmp_path, gpu_quick):
     out = tmp_path / "out"
     # A budget above the dry run's own 150 s: on a machine busy with other tests no step may be skipped for time.
-    done = subprocess.run([sys.executable, str(TOOL), "--dry-run", "--out", str(out), "--budget-s", "400"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=500)
+    done = subprocess.run([sys.executable, str(TOOL), "--dry-run", "--out", str(out), "--budget-s", "400"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=500)
     report = json.loads((out / "gpu_quick.json").read_text())
     not_ok = {name: step for name, step in report["steps"].items() if step["status"] != "ok"}
     assert done.returncode == 0 and not not_ok, (json.dumps(not_ok, indent=1), done.stderr[-3000:])
@@ -95,7 +95,8 @@ def test_a_cuda_traces_copy_stream_busy_share_gap_and_overlap(tools):
 
     trace = {"traceEvents": [
         event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 7, 0, 100),
-        {**event("gpu_memcpy", "Memcpy", 7, 150, 150), "args": {"stream": 7, "copy kind": "HtoD"}},  # torch's own exporter
+        # torch's own exporter
+        {**event("gpu_memcpy", "Memcpy", 7, 150, 150), "args": {"stream": 7, "copy kind": "HtoD"}},
         event("kernel", "ampere_bf16_gemm", 3, 50, 150),
         event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 3, 300, 10),   # not a copy in
         event("gpu_memset", "Memset (Device)", 3, 0, 5),                     # not a kernel
@@ -128,7 +129,7 @@ def test_the_tests_counts_from_pytests_summary_or_from_its_lines_when_stopped_be
 
 
 def test_a_copy_rate_from_each_numa_node_where_there_are_several(tools, tmp_path):
-    from simulated_device import SimulatedDevice
+    from support.simulated_device import SimulatedDevice
 
     steps = tools("gpu_quick_steps")
     cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))

@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM
 
 import zerolite
 import zerolite.convert.resolve
-from cli_runner import run
-from helpers import greedy
-from simulated_device import SimulatedDevice
+from support.cli_runner import run
+from support.helpers import greedy
+from support.simulated_device import SimulatedDevice
 from test_executor import assert_same_generation, reference_device
-from tiny_models import save_tiny_model
+from support.tiny_models import save_tiny_model
 from zerolite.errors import ZeroliteError
 from zerolite.hf import keep_experts_implementation
 from zerolite.io.engine import align_up
@@ -152,7 +152,8 @@ def test_a_second_load_reuses_the_manifest_and_a_changed_shard_is_refused(make_s
         assert manifest.stat().st_mtime_ns == written
     shard = source / "model.safetensors"
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1_000_000_000))
-    with pytest.raises(ZeroliteError, match=r"model.safetensors changed after the layout in place at .* was planned: delete"):
+    with pytest.raises(ZeroliteError,
+                       match=r"model.safetensors changed after the layout in place at .* was planned: delete"):
         zerolite.load(str(source), path=tmp_path, show_progress=False)
     with pytest.raises(ZeroliteError, match="changed after"):
         Layout.open(manifest.parent)
@@ -174,7 +175,8 @@ def test_what_cannot_stream_in_place_converts_with_one_line_saying_why(make_sour
         assert not lm.layout.manifest.in_place and lm.layout.data_path.is_file()
         assert (lm.layout.manifest.quantization or {}).get("weights") == ("int4" if case == "int4" else None)
     notes = [line for line in capsys.readouterr().err.splitlines() if "in place" in line]
-    assert len(notes) == 1 and notes[0].startswith(f"zerolite: converting {source} once, as it cannot stream in place: ")
+    assert len(notes) == 1
+    assert notes[0].startswith(f"zerolite: converting {source} once, as it cannot stream in place: ")
     assert why in notes[0], notes
 
 
@@ -198,12 +200,14 @@ def test_verify_records_checksums_that_later_runs_check(make_source, tmp_path, c
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 1]))
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    with pytest.raises(ZeroliteError, match=r"block layers\.\d of the checkpoint in .* fails the checksum `zerolite verify` recorded"):
+    with pytest.raises(ZeroliteError,
+                       match=r"block layers\.\d of the checkpoint in .* fails the checksum `zerolite verify` recorded"):
         with streamed_in_place(source, tmp_path) as lm:
             greedy(lm, ROWS, 2)
 
 
-def test_a_missing_shard_is_refused_in_one_line_and_inspect_shows_the_pieces(make_source, tmp_path, capsys, monkeypatch):
+def test_a_missing_shard_is_refused_in_one_line_and_inspect_shows_the_pieces(make_source, tmp_path, capsys,
+                                                                             monkeypatch):
     source = make_source("llama", layers=2, fresh=True)
     with streamed_in_place(source, tmp_path) as lm:
         folder = lm.layout.folder

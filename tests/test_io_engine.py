@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zerolite
-from helpers import greedy
+from support.helpers import greedy
 
 from zerolite.io.engine import ALIGNMENT, HUGE_PAGE, IoEngine, ShortReadError, aligned_empty, host_bytes
 

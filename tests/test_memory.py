@@ -27,7 +27,8 @@ MEASURE = textwrap.dedent(
                 return int(line.split()[1]) * 1024
 
     def run(layout):
-        with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=int(sys.argv[3]), show_progress=False) as lm:
+        with zerolite.load(layout, offload="nvme", cpu_memory=0, device="cpu", prefetch_depth=int(sys.argv[3]),
+                           show_progress=False) as lm:
             out = lm.generate(input_ids=torch.tensor(json.loads(sys.argv[4])), max_new_tokens=int(sys.argv[5]),
                               do_sample=False, return_dict_in_generate=True)
             return sum(layer.keys.nbytes + layer.values.nbytes for layer in getattr(out, cache_keyword()).layers)
@@ -77,7 +78,8 @@ def test_a_wide_head_over_a_large_batch_costs_its_logits_not_a_copy_per_sequence
     head = Layout.open(wide).manifest.block("head").length
 
     result = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(warm_up), str(wide), str(DEPTH), json.dumps([PROMPT] * batch), str(NEW_TOKENS)],
+        [sys.executable, "-c", MEASURE, str(warm_up), str(wide), str(DEPTH), json.dumps([PROMPT] * batch),
+         str(NEW_TOKENS)],
         capture_output=True, text=True, check=True, timeout=300,
     )
     measured = json.loads(result.stdout)

@@ -15,11 +15,11 @@ import torch
 from transformers import GenerationMixin
 
 import zerolite
-from helpers import greedy
-from simulated_device import OrderingError, SimulatedDevice
+from support.helpers import greedy
+from support.simulated_device import OrderingError, SimulatedDevice
 from test_executor import (BATCH, MORE_SETUPS, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal,
                            layout_and_reference)
-from tiny_models import MOE_SHAPES, WHOLE_MOE_SHAPES
+from support.tiny_models import MOE_SHAPES, WHOLE_MOE_SHAPES
 from zerolite.cli.plan_summary import summarize
 from zerolite.errors import ZeroliteError
 from zerolite.moe.experts import find_experts
@@ -103,7 +103,8 @@ def test_moe_generation_on_a_gpu_copies_only_routed_experts_and_equals_transform
     def every_layer_per_expert(lm):
         assert lm.per_expert == frozenset(b.name for b in mixture_layers(layout))
 
-    check_equal(tiny, {**SETUPS[setup], "gpu_memory": 0}, depth, gpu, streamed=len(layers), check=every_layer_per_expert)
+    check_equal(tiny, {**SETUPS[setup], "gpu_memory": 0}, depth, gpu, streamed=len(layers),
+                check=every_layer_per_expert)
 
 
 def record_routing(lm) -> list[list[set[int]]]:
@@ -119,7 +120,8 @@ def record_routing(lm) -> list[list[set[int]]]:
         return hook
 
     for index, layer in enumerate(layers):
-        layer.get_submodule(find_experts(layer).path).register_forward_pre_hook(saw(index), prepend=True)  # before zerolite's
+        # prepended: before zerolite's
+        layer.get_submodule(find_experts(layer).path).register_forward_pre_hook(saw(index), prepend=True)
     return forwards
 
 
@@ -127,7 +129,8 @@ def test_a_step_reads_the_dense_parts_and_the_routed_experts_exactly(tiny):
     """Depth 1: no read ahead and no guess, so every byte read is one a step needed."""
     layout, reference = tiny
     blocks = mixture_layers(layout)
-    dense = sum(b.length for b in Layout.open(layout).manifest.blocks if b.name.startswith("layers.") and b not in blocks)
+    dense = sum(b.length for b in Layout.open(layout).manifest.blocks
+                if b.name.startswith("layers.") and b not in blocks)
     with zerolite.load(layout, prefetch_depth=1, **NVME) as lm:
         forwards = record_routing(lm)
         before = lm.bytes_read
@@ -222,12 +225,18 @@ def test_each_layer_routed_per_expert_waits_for_the_device_once(tiny, monkeypatc
     (tolist, item, cpu) makes the host wait for the GPU, which it should rather keep queueing ahead of."""
     layout, reference = tiny
     taken = []
-    for method in ("tolist", "item", "cpu"):
-        def counted(tensor, *args, real=getattr(torch.Tensor, method), **kwargs):
+
+    def counting(method: str):
+        real = getattr(torch.Tensor, method)
+
+        def counted(tensor, *args, **kwargs):
             if sys._getframe(1).f_globals.get("__name__", "").startswith("zerolite.moe"):
                 taken.append(method)
             return real(tensor, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, method, counted)
+        return counted
+
+    for method in ("tolist", "item", "cpu"):
+        monkeypatch.setattr(torch.Tensor, method, counting(method))
     with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
         forwards = record_routing(lm)
         assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
@@ -261,7 +270,6 @@ def test_one_tokens_two_experts_computed_apart_equal_one_call_bit_for_bit(arch, 
 def test_the_expert_cache_serves_experts_read_before(tiny):
     """A host budget smaller than a layer keeps experts instead; hits copy them into the slot."""
     layout, reference = tiny
-    manifest = Layout.open(layout).manifest
     stride = mixture_layers(layout)[0].experts.stride
     with zerolite.load(layout, prefetch_depth=2, **{**NVME, "cpu_memory": 6 * stride}) as lm:
         assert lm.plan.in_memory == () and lm.plan.expert_cache == 6 * stride
@@ -279,7 +287,8 @@ def test_on_a_gpu_the_expert_cache_pins_nothing_while_generating(tiny):
     layout, reference = tiny
     stride = mixture_layers(layout)[0].experts.stride
     sim = SimulatedDevice(seed=1)
-    with zerolite.load(layout, prefetch_depth=2, **{**NVME, "device": sim, "gpu_memory": 0, "cpu_memory": 6 * stride}) as lm:
+    with zerolite.load(layout, prefetch_depth=2,
+                       **{**NVME, "device": sim, "gpu_memory": 0, "cpu_memory": 6 * stride}) as lm:
         assert lm.plan.expert_cache == 6 * stride
         pinned = sim.pinned
         for expected, rows in zip(reference("cpu"), (SINGLE, BATCH)):

@@ -14,7 +14,7 @@ import torch
 
 import zerolite.io.device
 import zerolite.io.numa
-from fake_cuda import FakeLibcuda
+from support.fake_cuda import FakeLibcuda
 from zerolite.io.device import CudaDevice, CudaDriver
 from zerolite.io.engine import host_bytes
 from zerolite.io.numa import MPOL_PREFERRED, SYS_MBIND, SystemCall, prefer_node

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, BloomConfig
 
 import zerolite
-from cli_runner import run
+from support.cli_runner import run
 from zerolite.io.device import CpuDevice
 from zerolite.layout.folder import Layout
 from zerolite.planner import measurements
@@ -40,7 +40,8 @@ def plan_json(capsys, monkeypatch, *args) -> dict:
     return json.loads(result.stdout)
 
 
-def test_plan_from_a_config_alone_prints_the_fields_and_pins_what_it_is_given(machine, capsys, monkeypatch, make_source):
+def test_plan_from_a_config_alone_prints_the_fields_and_pins_what_it_is_given(machine, capsys, monkeypatch,
+                                                                              make_source):
     config_only = machine / "config-only"
     config_only.mkdir()
     (config_only / "config.json").write_text((make_source("llama", layers=4) / "config.json").read_text())
@@ -48,7 +49,8 @@ def test_plan_from_a_config_alone_prints_the_fields_and_pins_what_it_is_given(ma
     assert FIELDS <= chosen.keys() and chosen["hardware"]["sources"]["disk_gbps"] == "given"
     pinned = plan_json(capsys, monkeypatch, "--model", config_only, "--disk-gbps", "2GB/s", "--batch-size", "3",
                        "--weights", "int8", "--cpu-memory", "0", "--prefetch-depth", "3")
-    assert (pinned["batch_size"], pinned["weights"], pinned["host_layers"], pinned["disk_layers"], pinned["prefetch_depth"]) == \
+    assert (pinned["batch_size"], pinned["weights"], pinned["host_layers"], pinned["disk_layers"],
+            pinned["prefetch_depth"]) == \
         (3, "int8", 0, 4, 3)
     assert pinned["command"][pinned["command"].index("--batch-size"):] == \
         ["--batch-size", "3", "--cpu-memory", "0", "--prefetch-depth", "3"] and "--weights" in pinned["command"]
@@ -75,8 +77,8 @@ def test_a_path_not_made_yet_has_its_disk_measured_where_it_will_be(machine, cap
                         lambda target: measured.append(target) or {"read_gbps": 2.0, "bytes": 1 << 20})
     prompts = machine / "in.jsonl"
     prompts.write_text('{"id": 0, "input_ids": [5, 9, 12]}\n')
-    done = run(capsys, monkeypatch, "generate", "--model", make_source("llama", layers=2), "--path", machine / "nvme" / "new",
-               "--device", "cpu", "--input", prompts, "--max-new-tokens", "2")
+    done = run(capsys, monkeypatch, "generate", "--model", make_source("llama", layers=2), "--path",
+               machine / "nvme" / "new", "--device", "cpu", "--input", prompts, "--max-new-tokens", "2")
     assert done.code == 0, done.stderr
     assert measured == [machine] and not done.stderr.startswith("plan: none"), done.stderr
 
@@ -89,12 +91,13 @@ def test_profile_records_the_disk_rate_that_plan_then_uses(machine, capsys, monk
     assert profiled.code == 0, profiled.stderr
     read_gbps = json.loads(profiled.stdout)["read_gbps"]
     planned = plan_json(capsys, monkeypatch, "--model", layout)
-    assert planned["hardware"]["disk_gbps"] == read_gbps and planned["hardware"]["sources"]["disk_gbps"].startswith("recorded")
+    assert planned["hardware"]["disk_gbps"] == read_gbps
+    assert planned["hardware"]["sources"]["disk_gbps"].startswith("recorded")
 
 
 def hardware(**overrides) -> Hardware:
-    figures = dict(gpu=False, gpu_ram=0, host_ram=64 << 30, disk_gbps=2.0, fill_gbps=0.5, h2d_gbps=None, gpu_tflops=None,
-                   compute={w: {r: 1e-12 for r in ROWS} for w in ("stored", "int8", "int4")})
+    figures = dict(gpu=False, gpu_ram=0, host_ram=64 << 30, disk_gbps=2.0, fill_gbps=0.5, h2d_gbps=None,
+                   gpu_tflops=None, compute={w: {r: 1e-12 for r in ROWS} for w in ("stored", "int8", "int4")})
     return Hardware(**{**figures, **overrides})
 
 
@@ -123,7 +126,8 @@ def test_filling_host_memory_pays_off_only_for_a_long_job():
     assert long.candidate.host_layers == costs.layers
 
 
-def test_zero_inference_setting_is_predicted_within_30_percent_and_the_choice_reaches_the_goal(tmp_path, capsys, monkeypatch):
+def test_zero_inference_setting_is_predicted_within_30_percent_and_the_choice_reaches_the_goal(tmp_path, capsys,
+                                                                                               monkeypatch):
     """DeepSpeed ZeRO-Inference's published setting: BLOOM-176B fp16 on an RTX A6000 (48 GB) with
     252 GB of DRAM and a 5.6 GB/s NVMe, batch 32, 512 prompt and 32 new tokens, weights read from
     NVMe and the K/V cache in host memory: 0.47 tokens/s. A PCIe 4 x16 link (25 GB/s) and the
@@ -133,15 +137,16 @@ def test_zero_inference_setting_is_predicted_within_30_percent_and_the_choice_re
     BloomConfig(hidden_size=14336, n_layer=70, n_head=112, vocab_size=250880, dtype="float16").save_pretrained(bloom)
     machine = ["--model", bloom, "--gpu-ram", "48GB", "--host-ram", "252GB", "--disk-gbps", "5.6GB/s", "--h2d-gbps",
                "25GB/s", "--gpu-tflops", "77TFLOPS", "--prompt-tokens", "512", "--new-tokens", "32"]
-    published = plan_json(capsys, monkeypatch, *machine, "--batch-size", "32", "--weights", "stored", "--cpu-memory", "0",
-                          "--gpu-memory", "0", "--kv-offload", "1")
+    published = plan_json(capsys, monkeypatch, *machine, "--batch-size", "32", "--weights", "stored", "--cpu-memory",
+                          "0", "--gpu-memory", "0", "--kv-offload", "1")
     assert published["disk_layers"] == 70 and published["bottleneck"] == "disk"
     assert abs(published["tokens_per_s"] / 0.47 - 1) <= 0.30, published["tokens_per_s"]
     chosen = plan_json(capsys, monkeypatch, *machine)
     assert chosen["tokens_per_s"] >= 2.5, chosen
 
 
-@pytest.mark.parametrize("flag, value", [("--disk-gbps", "5.6"), ("--h2d-gbps", "25"), ("--gpu-tflops", "77"), ("--disk-gbps", "fast")])
+@pytest.mark.parametrize("flag, value", [("--disk-gbps", "5.6"), ("--h2d-gbps", "25"), ("--gpu-tflops", "77"),
+                                         ("--disk-gbps", "fast")])
 def test_hardware_flags_without_units_are_refused_in_one_line(capsys, monkeypatch, flag, value):
     result = run(capsys, monkeypatch, "plan", flag, value)
     assert result.code != 0 and len(result.stderr.strip().splitlines()) == 1
@@ -152,14 +157,14 @@ def test_a_model_that_cannot_fit_says_what_must_change(tmp_path, capsys, monkeyp
     monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))
     bloom = tmp_path / "bloom"
     BloomConfig(hidden_size=14336, n_layer=70, n_head=112, vocab_size=250880, dtype="float16").save_pretrained(bloom)
-    result = run(capsys, monkeypatch, "plan", "--model", bloom, "--gpu-ram", "8GB", "--host-ram", "252GB", "--disk-gbps",
-                 "5.6GB/s", "--h2d-gbps", "25GB/s", "--gpu-tflops", "77TFLOPS")
+    result = run(capsys, monkeypatch, "plan", "--model", bloom, "--gpu-ram", "8GB", "--host-ram", "252GB",
+                 "--disk-gbps", "5.6GB/s", "--h2d-gbps", "25GB/s", "--gpu-tflops", "77TFLOPS")
     assert result.code != 0 and len(result.stderr.strip().splitlines()) == 1
     assert "cannot run here" in result.stderr and "GPU with" in result.stderr, result.stderr
 
 
-def test_generate_streams_every_layer_for_a_short_job_and_holds_them_for_a_long_one(machine, capsys, monkeypatch, make_layout,
-                                                                                   tmp_path):
+def test_generate_streams_every_layer_for_a_short_job_and_holds_them_for_a_long_one(machine, capsys, monkeypatch,
+                                                                                    make_layout, tmp_path):
     """A disk that streams a layer in 1 s a step and host memory that fills at a sixth of that:
     holding the layers pays off only over many steps, and generate's default budget follows. (The
     disk slow beside any compute this machine measures for the tiny model: a layer streamed
@@ -190,16 +195,17 @@ def test_the_fill_rate_is_every_loads_bytes_over_its_seconds(machine):
 # The layer probe alone has an estimate to fall back on (the matmul rates: test_compute_probe).
 PLANNER_PARTS = {
     "read the model's sizes from its config": [("zerolite.planner.model_costs.ModelCosts.from_config", classmethod)],
-    "measure the disk": [("zerolite.planner.machine.measure_disk", None), ("zerolite.planner.for_job.measure_disk", None)],
+    "measure the disk": [("zerolite.planner.machine.measure_disk", None),
+                         ("zerolite.planner.for_job.measure_disk", None)],
     "time this machine's matmuls": [("zerolite.planner.hardware.probe_compute", None)],
     "weigh the plans": [("zerolite.planner.search.predict", None)],  # the cost model
 }
 
 
 @pytest.mark.parametrize("part", PLANNER_PARTS)
-def test_a_part_of_the_planner_that_fails_is_one_line_for_plan_and_none_for_generate(part, tmp_path, capsys, monkeypatch,
-                                                                                      make_source):
-    from cli_runner import assert_one_line_error
+def test_a_part_of_the_planner_that_fails_is_one_line_for_plan_and_none_for_generate(part, tmp_path, capsys,
+                                                                                     monkeypatch, make_source):
+    from support.cli_runner import assert_one_line_error
 
     monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))  # nothing recorded: every part runs
     if part != "time this machine's matmuls":  # the real probe takes seconds

@@ -10,7 +10,7 @@ import psutil
 import torch
 
 import zerolite
-from cli_runner import assert_one_line_error, run
+from support.cli_runner import assert_one_line_error, run
 
 
 def test_a_file_system_without_o_direct_gets_one_warning_and_still_runs(capfd, monkeypatch, make_layout):

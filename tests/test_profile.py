@@ -8,8 +8,8 @@ import time
 import pytest
 
 import zerolite
-from cli_runner import run
-from simulated_device import SimulatedDevice
+from support.cli_runner import run
+from support.simulated_device import SimulatedDevice
 from zerolite.planner.machine import measure_disk
 from zerolite.profile.run import profile_run
 from zerolite.runtime.timeline import Timeline
@@ -34,17 +34,18 @@ def profiled(layout, offload: str, depth: int, batch: int, new_tokens: int = 5, 
 def test_trace_shows_the_next_read_overlapping_compute_from_depth_2(capsys, monkeypatch, tmp_path, layout):
     for depth in (1, 2, 4):
         trace_file = tmp_path / f"trace-{depth}.json"
-        result = run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", "--cpu-memory", "0", "--prefetch-depth", str(depth),
-                     "--new-tokens", "4", "--json", "--trace", trace_file)
+        result = run(capsys, monkeypatch, "profile", "--model", layout, "--device", "cpu", "--cpu-memory", "0",
+                     "--prefetch-depth", str(depth), "--new-tokens", "4", "--json", "--trace", trace_file)
         assert result.code == 0, result.stderr
         trace = json.loads(trace_file.read_text())
-        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["ph"] == "M" and e["name"] == "thread_name"}
         spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
         tracks = {names[e["tid"]] for e in spans}
         assert {"reads (disk)", "compute", "steps"} <= tracks
         reads = [e for e in spans if names[e["tid"]] == "reads (disk)"]
         # Decode steps: in the first forward each block is also checked against its checksum.
-        prefill_end = min((e["ts"] + e["dur"] for e in spans if names[e["tid"]] == "steps"))
+        prefill_end = min(e["ts"] + e["dur"] for e in spans if names[e["tid"]] == "steps")
         computes = [e for e in spans if names[e["tid"]] == "compute" and e["ts"] > prefill_end]
         overlapping = 0
         for compute in computes:
@@ -86,10 +87,12 @@ def test_a_16_bit_layout_is_not_advised_a_16_bit_layout(make_layout):
 
 
 def test_an_int4_layout_not_in_bf16_is_advised_bf16_for_its_kernel(make_layout):
-    fp32 = profiled(make_layout("llama", layers=2, weights="int4", group_size=32), "nvme", depth=2, batch=1, new_tokens=3)[0]
-    bf16 = profiled(make_layout("llama", layers=2, dtype="bf16", weights="int4", group_size=32), "nvme", depth=2, batch=1,
+    fp32 = profiled(make_layout("llama", layers=2, weights="int4", group_size=32), "nvme", depth=2, batch=1,
                     new_tokens=3)[0]
-    assert fp32.weights == "int4" and any("--dtype bf16 --weights int4" in advice for advice in fp32.advice), fp32.advice
+    bf16 = profiled(make_layout("llama", layers=2, dtype="bf16", weights="int4", group_size=32), "nvme", depth=2,
+                    batch=1, new_tokens=3)[0]
+    assert fp32.weights == "int4", fp32.advice
+    assert any("--dtype bf16 --weights int4" in advice for advice in fp32.advice), fp32.advice
     assert not any("--dtype bf16" in advice for advice in bf16.advice), bf16.advice
     assert not any("--weights int4" in advice for advice in bf16.advice), bf16.advice  # it is int4 already
 
@@ -98,7 +101,8 @@ def test_a_prefill_slow_for_its_size_is_flagged(layout):
     """A prefill made slow the way torch's CPU slow path makes it: each layer's compute sleeps
     when it sees more than one position, and only then."""
     timeline = Timeline()
-    with zerolite.load(layout, offload="nvme", device="cpu", timeline=timeline, cpu_memory=0, show_progress=False) as lm:
+    with zerolite.load(layout, offload="nvme", device="cpu", timeline=timeline, cpu_memory=0,
+                       show_progress=False) as lm:
         for layer in lm.model.model.layers:
             layer.register_forward_pre_hook(lambda module, args: time.sleep(0.1) if args[0].shape[1] > 1 else None)
         report = profile_run(lm, timeline, batch_size=1, new_tokens=4, prompt_tokens=2)

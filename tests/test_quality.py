@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -13,11 +12,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import zerolite
-from cli_runner import TOOLS, run_tool
-from tiny_models import VOCAB, save_ascii_tokenizer
+from support.cli_runner import run_tool
+from support.tiny_models import VOCAB, save_ascii_tokenizer
 
-sys.path.insert(0, str(TOOLS))
-from perplexity import perplexity, windows  # noqa: E402  (importable once the path above is set)
+from perplexity import perplexity, windows  # tools/ is on the path: pyproject's pythonpath
 
 WINDOW = 16  # the tiny model's max_position_embeddings: the 50 ids below need several windows
 
@@ -34,7 +32,8 @@ def direct_perplexity(model, ids: torch.Tensor, window: int, stride: int) -> flo
     return math.exp(torch.stack(losses).mean().item())
 
 
-@pytest.mark.parametrize("length, window, stride", [(50, 16, 8), (50, 16, 15), (50, 16, 1), (10, 16, 8), (16, 16, 8), (17, 16, 8)])
+@pytest.mark.parametrize("length, window, stride",
+                         [(50, 16, 8), (50, 16, 15), (50, 16, 1), (10, 16, 8), (16, 16, 8), (17, 16, 8)])
 def test_windows_score_every_token_but_the_first_once_with_context(length, window, stride):
     scored = []
     for number, (begin, end, first) in enumerate(windows(length, window, stride)):
@@ -59,7 +58,8 @@ def test_equals_transformers_scoring_each_token_on_its_context(make_source, make
     expected = direct_perplexity(model, ids, WINDOW, stride or WINDOW // 2)
 
     assert perplexity(model, ids, stride).perplexity == pytest.approx(expected, rel=1e-5)
-    with zerolite.load(make_layout(max_position_embeddings=WINDOW), offload="cpu", device="cpu", show_progress=False) as lm:
+    with zerolite.load(make_layout(max_position_embeddings=WINDOW), offload="cpu", device="cpu",
+                       show_progress=False) as lm:
         assert perplexity(lm.model, ids, stride).perplexity == pytest.approx(expected, rel=1e-5)
 
 
@@ -76,8 +76,8 @@ def test_the_tool_runs_end_to_end_and_agrees_with_transformers(capsys, monkeypat
     source = make_source(max_position_embeddings=64, fresh=True)
     save_ascii_tokenizer(source)
     figures = tmp_path / "quality.json"
-    done = run_tool(capsys, monkeypatch, "quality", "--model", source, "--path", tmp_path / "layouts", "--tokens", "150",
-                    "--weights", "int8,int4-g32,int4-g64", "--reference", "--json", figures)
+    done = run_tool(capsys, monkeypatch, "quality", "--model", source, "--path", tmp_path / "layouts", "--tokens",
+                    "150", "--weights", "int8,int4-g32,int4-g64", "--reference", "--json", figures)
     assert done.code == 0, done.stderr
     rows = {row["variant"]: row for row in json.loads(figures.read_text())["variants"]}
     assert list(rows) == ["base", "int8", "int4-g32", "int4-g64", "transformers (reference)"]

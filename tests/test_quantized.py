@@ -16,7 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 import zerolite
 import zerolite.quant.linear
-from helpers import greedy, left_padded
+from support.helpers import greedy, left_padded
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
 from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
@@ -33,7 +33,7 @@ from zerolite.quant.linear import (
 )
 from zerolite.runtime.budget import Budgets, reserve
 from zerolite.runtime.policy import Policy
-from simulated_device import SimulatedDevice
+from support.simulated_device import SimulatedDevice
 from zerolite.layout.store import DiskStore
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
@@ -64,7 +64,8 @@ def dequantised_reference(source, layout, dtype=torch.float32):
                 if scheme.name == "int8":
                     weight = stored.float() * companion.float()[:, None]
                 else:
-                    weight = dequantize_int4(stored, companion.float(), scheme.group_size, scheme.packing, torch.float32)
+                    weight = dequantize_int4(stored, companion.float(), scheme.group_size, scheme.packing,
+                                             torch.float32)
                 module = model.get_submodule(path)
                 weight = weight[:, : (module.weight.shape[0] if isinstance(module, Conv1D) else module.in_features)]
                 module.weight.copy_(weight.t() if isinstance(module, Conv1D) else weight)
@@ -84,7 +85,8 @@ def assert_close_to_reference(expected, got) -> None:
     for step, (e, g) in enumerate(zip(expected.logits, got.logits, strict=True)):
         g = g.cpu()  # compared where the reference is
         cosine = torch.nn.functional.cosine_similarity(e.float(), g.float(), dim=-1)
-        assert cosine.min() >= MIN_COSINE, f"step {step}: cosine {cosine.min():.5f}, largest difference {(e - g).abs().max():.2e}"
+        assert cosine.min() >= MIN_COSINE, \
+            f"step {step}: cosine {cosine.min():.5f}, largest difference {(e - g).abs().max():.2e}"
     new = slice(PROMPTS.shape[1], None)
     agreement = (expected.sequences[:, new] == got.sequences[:, new].cpu()).float().mean()
     assert agreement >= MIN_AGREEMENT, f"greedy tokens agree at {agreement:.1%} of positions"
@@ -167,7 +169,8 @@ def test_quantized_layers_resident_on_a_gpu_are_dequantised_once_at_load(quantiz
     calls = []
     for kind in (Int8Linear, Int4Linear):
         dequantized = kind.dequantized
-        monkeypatch.setattr(kind, "dequantized", lambda module, dtype, f=dequantized: calls.append(module) or f(module, dtype))
+        monkeypatch.setattr(kind, "dequantized",
+                            lambda module, dtype, f=dequantized: calls.append(module) or f(module, dtype))
     with zerolite.load(layout, device=gpu, offload="nvme", cpu_memory=0, show_progress=False) as lm:
         quantized_modules = [m for m in lm.model.modules() if isinstance(m, QuantizedLinear)]
         assert lm.plan.streamed == () and len(calls) == len(quantized_modules) > 0  # once each, at load
@@ -197,7 +200,8 @@ def test_the_default_gpu_budget_on_the_simulated_device_leaves_room_to_dequantis
     slot = max(manifest.block(name).length for name in manifest.layer_names)
     workspace = dequantize_workspace(manifest)
     assert workspace >= 2 * max(t.nbytes for b in manifest.blocks for t in b.tensors if t.dtype in ("int8", "uint8"))
-    assert Budgets.make(manifest, policy, sim).device == (8 << 30) - policy.prefetch_depth * slot - reserve(8 << 30) - workspace
+    assert (Budgets.make(manifest, policy, sim).device
+            == (8 << 30) - policy.prefetch_depth * slot - reserve(8 << 30) - workspace)
 
 
 @pytest.mark.parametrize(("weights", "group_size", "most"), [("int8", None, 0.55), ("int4", 64, 0.30)])
@@ -211,7 +215,8 @@ def test_quantized_layers_move_a_fraction_of_bf16s_bytes_per_step(make_source, t
     ratio = quantized.nbytes(quantized.layer_names) / base.nbytes(base.layer_names)
     assert ratio <= most, ratio
     with zerolite.load(tmp_path / weights, device="cpu", cpu_memory=0, prefetch_depth=1, show_progress=False) as lm:
-        greedy(lm, ROWS, NEW_TOKENS, logits=True)  # depth 1: nothing is read ahead, so each forward reads the layers once
+        # depth 1: nothing is read ahead, so each forward reads the layers once
+        greedy(lm, ROWS, NEW_TOKENS, logits=True)
         assert lm.bytes_read == NEW_TOKENS * quantized.nbytes(quantized.layer_names)
 
 
@@ -240,7 +245,8 @@ def test_rwkv_past_rescale_every_refuses_quantized_weights_before_writing(make_s
     """Past rescale_every layers RWKV divides weights by 2 and more in place at its first forward,
     which an int8 weight cannot take: said in one line, before anything is written."""
     source = make_source("rwkv", layers=LAYERS, rescale_every=2)
-    with pytest.raises(ZeroliteError, match="rwkv divides the weights of its layers past the first 2 .* leave out `weights`"):
+    with pytest.raises(ZeroliteError,
+                       match="rwkv divides the weights of its layers past the first 2 .* leave out `weights`"):
         convert(source, tmp_path / "out", weights="int8", show_progress=False)
     assert not (tmp_path / "out").exists()
 

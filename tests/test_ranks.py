@@ -22,9 +22,9 @@ import torch
 import zerolite
 import zerolite.runtime.loader
 import zerolite.runtime.policy
-from cli_runner import run
-from helpers import generate_args, lines_by_id
-from simulated_device import SimulatedDevice
+from support.cli_runner import run
+from support.helpers import generate_args, lines_by_id
+from support.simulated_device import SimulatedDevice
 from zerolite.errors import ZeroliteError
 from zerolite.distributed.world import World, failed_line
 from zerolite.io.device import CudaDevice, resolve
@@ -56,7 +56,8 @@ def prompts(tmp_path) -> Path:
 def reference(capsys, monkeypatch, tmp_path, layout, prompts) -> Path:
     """One process's output, run in this one."""
     output = tmp_path / "one-process.jsonl"
-    assert run(capsys, monkeypatch, *generate_args(layout, prompts, output, batch=BATCH, new_tokens=NEW_TOKENS)).code == 0
+    assert run(capsys, monkeypatch,
+               *generate_args(layout, prompts, output, batch=BATCH, new_tokens=NEW_TOKENS)).code == 0
     return output
 
 
@@ -71,8 +72,9 @@ def two_nodes(node_args: list[list[str]], cwds: list[Path], timeout: float = 240
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    agents = [subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                                f"--master-port={port}", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    agents = [subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+                                "--master-addr=127.0.0.1", f"--master-port={port}", *args],
+                               cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for node, (args, cwd) in enumerate(zip(node_args, cwds))]
     return [subprocess.CompletedProcess(agent.args, agent.wait(timeout), *agent.communicate()) for agent in agents]
 
@@ -185,7 +187,8 @@ def test_two_ranks_write_what_one_process_writes(tmp_path, layout, prompts, refe
                                                         new_tokens=NEW_TOKENS))
     assert result.returncode == 0, result.stderr
     assert output.read_bytes() == reference.read_bytes()  # every id once, in input order, token for token
-    said = zerolite_lines(result.stderr) + [line for line in result.stderr.splitlines() if line.startswith(("plan:", "ranks:"))]
+    said = zerolite_lines(result.stderr) + [line for line in result.stderr.splitlines()
+                                            if line.startswith(("plan:", "ranks:"))]
     assert sum(line.startswith("plan:") for line in said) == 1, "rank 0 alone prints the plan"
     assert any(line.startswith("ranks: 2, 2 on this node; the node's ranks share one copy") for line in said)
     assert "on 2 ranks" in result.stderr
@@ -253,7 +256,8 @@ def test_serve_refuses_ranks(layout):
 
 
 def test_mismatched_arguments_across_nodes(tmp_path, layout, prompts):
-    args = ["-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl", batch=BATCH, new_tokens=NEW_TOKENS)]
+    args = ["-m", "zerolite",
+            *generate_args(layout, prompts, tmp_path / "out.jsonl", batch=BATCH, new_tokens=NEW_TOKENS)]
     node0, node1 = two_nodes([args, [*args, "--max-new-tokens", "3"]], [tmp_path, tmp_path])
     assert_one_error(node0, "rank 1 was started with --max-new-tokens 3, rank 0 with 6", "same zerolite command")
     assert node1.returncode != 0 and not zerolite_lines(node1.stderr)
@@ -265,7 +269,8 @@ def test_a_layout_missing_on_one_node(tmp_path, layout, prompts):
     here.mkdir()
     there.mkdir()
     (here / "layout").symlink_to(layout)
-    args = ["-m", "zerolite", *generate_args("layout", prompts, tmp_path / "out.jsonl", batch=BATCH, new_tokens=NEW_TOKENS)]
+    args = ["-m", "zerolite",
+            *generate_args("layout", prompts, tmp_path / "out.jsonl", batch=BATCH, new_tokens=NEW_TOKENS)]
     node0, node1 = two_nodes([args, args], [here, there])
     assert_one_error(node0, "rank 1 on node 1", "layout does not exist")
     assert node1.returncode != 0 and not zerolite_lines(node1.stderr)

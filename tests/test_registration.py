@@ -1,4 +1,4 @@
-"""CudaDevice's pinned host memory, with CUDA's driver stood in for (tests/fake_cuda.py): exact
+"""CudaDevice's pinned host memory, with CUDA's driver stood in for (tests/support/fake_cuda.py): exact
 sizes, chunks a driver accepts, the model's GPU current for every call, and nothing left behind
 by a failure."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zerolite.io.device
-from fake_cuda import FakeLibcuda
+from support.fake_cuda import FakeLibcuda
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import CudaDevice, CudaDriver, registered
 from zerolite.io.engine import host_mapping
@@ -67,7 +67,8 @@ def test_a_failed_registration_is_one_clear_error_and_leaves_nothing_registered(
     monkeypatch.setattr(zerolite.io.device, "REGISTRATION_CHUNK", 4096)
     driver.fail_at = 2
     array, mapping = host_mapping(5 * 4096)
-    with pytest.raises(ZeroliteError, match=r"pinning 0\.00 GB of host memory failed \(CUDA driver error 2\): lower `cpu_memory`"):
+    with pytest.raises(ZeroliteError,
+                       match=r"pinning 0\.00 GB of host memory failed \(CUDA driver error 2\): lower `cpu_memory`"):
         registered(array, mapping, "host memory", 0, [page * 4096 for page in range(5)])
     assert [call[0] for call in driver.calls] == ["register"] * 3 + ["unregister"] * 2
     assert driver.registered == {} and driver.current == [] and driver.held == 0

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import zerolite
-from cli_runner import assert_one_line_error, run, run_tool
-from helpers import new_tokens_alone
-from live_server import LiveServer
-from tiny_models import CHAT_TEMPLATE, save_ascii_tokenizer
+from support.cli_runner import assert_one_line_error, run, run_tool
+from support.helpers import new_tokens_alone
+from support.live_server import LiveServer
+from support.tiny_models import CHAT_TEMPLATE, save_ascii_tokenizer
 from zerolite.convert.writer import convert
 from zerolite.serve.server import ServeSettings
 
@@ -95,7 +95,7 @@ def test_each_client_gets_the_tokens_zerolite_generate_gives_its_prompt(arch, ma
 
 
 @pytest.mark.cuda
-def test_the_engine_loop_runs_the_model_on_a_gpu_from_its_own_thread(make_layout, gpu):
+def test_the_decode_loop_runs_the_model_on_a_gpu_from_its_own_thread(make_layout, gpu):
     prompts = random_prompts(1)[:4]
     with zerolite.load(make_layout("llama"), offload="nvme", device=gpu, gpu_memory=0, kv_offload=0.5,
                        show_progress=False) as lm:
@@ -218,8 +218,8 @@ def test_clients_that_disconnect_mid_stream_are_cancelled_and_the_others_served(
 def test_a_client_that_gives_up_on_a_whole_answer_is_cancelled(make_layout, monkeypatch):
     with zerolite.load(make_layout("llama"), offload="nvme", device="cpu", show_progress=False) as lm:
         with LiveServer(lm) as server:
-            step = server.engine.batch.step
-            monkeypatch.setattr(server.engine.batch, "step", lambda: time.sleep(0.01) or step())  # 240 steps: 2.4 s at least
+            step = server.decode_loop.batch.step
+            monkeypatch.setattr(server.decode_loop.batch, "step", lambda: time.sleep(0.01) or step())  # 240 steps: 2.4 s at least
             body = {"model": server.served.name, "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True}
             with pytest.raises(httpx.TimeoutException):
                 httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
@@ -232,9 +232,9 @@ def test_a_full_queue_answers_429_with_retry_after(make_layout, monkeypatch):
     with zerolite.load(make_layout("llama"), offload="nvme", device="cpu", show_progress=False) as lm:
         with LiveServer(lm, ServeSettings(max_batch=1, max_queue=0)) as server:
             name = server.served.name
-            gate = threading.Event()  # holds the engine's steps, so the one place stays taken
-            step = server.engine.batch.step
-            monkeypatch.setattr(server.engine.batch, "step", lambda: gate.wait(timeout=60) and step())
+            gate = threading.Event()  # holds the decode loop's steps, so the one place stays taken
+            step = server.decode_loop.batch.step
+            monkeypatch.setattr(server.decode_loop.batch, "step", lambda: gate.wait(timeout=60) and step())
             with ThreadPoolExecutor(1) as pool:
                 first = pool.submit(complete, server.url, [5, 6, 7], False, name, ignore_eos=True)
                 deadline = time.monotonic() + 30
@@ -258,7 +258,7 @@ def test_a_step_that_fails_answers_its_requests_with_500_and_the_server_serves_o
     with zerolite.load(make_layout("llama"), offload="nvme", device="cpu", show_progress=False) as lm:
         with LiveServer(lm) as server:
             name = server.served.name
-            step = server.engine.batch.step
+            step = server.decode_loop.batch.step
             failures = iter([RuntimeError("disk on fire")])
 
             def failing_once():
@@ -266,9 +266,9 @@ def test_a_step_that_fails_answers_its_requests_with_500_and_the_server_serves_o
                     raise failure
                 return step()
 
-            monkeypatch.setattr(server.engine.batch, "step", failing_once)
+            monkeypatch.setattr(server.decode_loop.batch, "step", failing_once)
             failed = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5, 6]}, timeout=TIMEOUT)
-            add = server.engine.batch.add
+            add = server.decode_loop.batch.add
             joins = iter([MemoryError("no room for the K/V")])
 
             def joining_fails_once(rows):
@@ -276,7 +276,7 @@ def test_a_step_that_fails_answers_its_requests_with_500_and_the_server_serves_o
                     raise failure
                 return add(rows)
 
-            monkeypatch.setattr(server.engine.batch, "add", joining_fails_once)
+            monkeypatch.setattr(server.decode_loop.batch, "add", joining_fails_once)
             refused = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5, 6]}, timeout=TIMEOUT)
             alive = httpx.get(server.url + "/health", timeout=TIMEOUT).status_code
             streamed = complete(server.url, [9, 8, 7, 6], True, name)
@@ -422,7 +422,7 @@ def test_sigterm_under_load_finishes_or_answers_every_request(make_layout):
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(long_stream, i) for i in range(4)] + [pool.submit(whole, i) for i in range(2)]
             deadline = time.monotonic() + 60
-            while in_flight(url) < 6:  # every client's request is in the engine, none done yet (240 tokens each)
+            while in_flight(url) < 6:  # every client's request is in the decode loop, none done yet (240 tokens each)
                 assert time.monotonic() < deadline, "the clients' requests did not all arrive"
                 time.sleep(0.01)
             server.send_signal(signal.SIGTERM)

@@ -17,12 +17,13 @@ from transformers import AutoModelForCausalLM, StaticCache
 import zerolite
 import zerolite.runtime.kv_cache
 import zerolite.runtime.resident
-from helpers import greedy
-from simulated_device import OrderingError, PageableCopyError, SimulatedDevice
+from support.helpers import greedy
+from support.simulated_device import OrderingError, PageableCopyError, SimulatedDevice
 from zerolite.io.engine import aligned_empty
 from zerolite.runtime.batching import MARGIN, largest_batch
 from zerolite.errors import ZeroliteError
-from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, kv_bytes_per_token
+from zerolite.memory_model import kv_bytes_per_token
+from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache
 from zerolite.layout.folder import Layout
 from zerolite.planner.machine import measure_host_to_device
 from zerolite.profile.run import profile_run
@@ -157,7 +158,8 @@ def test_preflight_counts_pinned_bytes_against_physical_memory(tiny, monkeypatch
     sim = SimulatedDevice()
     layer = layer_bytes(layout)
     raw_need = 3 * layer + 2 * layer          # three layers held, two ring slots, at their size
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("memory", "available total")(raw_need + 4096, 1 << 40))
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: namedtuple("memory", "available total")(raw_need + 4096, 1 << 40))
     with pytest.raises(ZeroliteError, match="pins .* in host memory"):
         zerolite.load(layout, device=sim, offload="nvme", cpu_memory=3 * sim.pinned_cost(layer), gpu_memory=0,
                       show_progress=False)
@@ -249,7 +251,8 @@ def test_batch_size_auto_counts_host_kv_at_what_pinning_takes(tiny, monkeypatch)
         cost = sim.pinned_cost(2 * kv)
         assert cost > 2 * kv
         available = 100.5 * cost / (1 - MARGIN)
-        monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("memory", "available total")(available, 1 << 40))
+        monkeypatch.setattr(psutil, "virtual_memory",
+                            lambda: namedtuple("memory", "available total")(available, 1 << 40))
         assert largest_batch(lm, [prompt] * 1000, new) == 100
 
 

@@ -14,8 +14,8 @@ import torch
 import zerolite
 import zerolite.hf
 import zerolite.speculative.draft
-from cli_runner import assert_one_line_error, run, run_tool
-from helpers import greedy
+from support.cli_runner import assert_one_line_error, run, run_tool
+from support.helpers import greedy
 from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
 from zerolite.quant.linear import Int8Linear
@@ -75,7 +75,8 @@ def test_before_transformers_5_18_a_draft_for_a_sliding_window_model_is_refused(
         zerolite.load(make_layout("gemma2"), draft="self-int8", device="cpu", show_progress=False)
 
 
-@pytest.mark.parametrize("arch, why", [("jamba", "carry a recurrent state"), ("recurrent_gemma", "carry a recurrent state|sliding-window"),
+@pytest.mark.parametrize("arch, why", [("jamba", "carry a recurrent state"),
+                                       ("recurrent_gemma", "carry a recurrent state|sliding-window"),
                                        ("minimax", "class of its own"), ("rwkv", "class of its own")])
 def test_a_draft_for_a_model_whose_cache_cannot_be_rewound_is_refused(arch, why, make_layout):
     """A recurrent state cannot be cropped back past rejected guesses (it would give other tokens),
@@ -114,7 +115,8 @@ def test_a_self_int8_draft_on_a_gpu_keeps_its_head_unquantized_and_the_output_as
     """On a CPU the head is quantized as the draft loads (its kernel reads int8); a GPU would
     dequantise it at every guess, gigabytes of temporaries for a large vocabulary: it stays as stored."""
     layout = make_layout("llama", layers=4, fresh=True)
-    plain, drafted, _, _ = plain_and_drafted(layout, "self-int8", device=gpu, offload="nvme", cpu_memory=0, gpu_memory=0)
+    plain, drafted, _, _ = plain_and_drafted(layout, "self-int8", device=gpu, offload="nvme", cpu_memory=0,
+                                             gpu_memory=0)
     assert torch.equal(plain, drafted)
     for device, quantized in ((gpu, False), ("cpu", True)):
         with zerolite.load(layout, draft="self-int8", device=device, show_progress=False) as lm:
@@ -160,7 +162,8 @@ def pair_probabilities(model, prompt) -> dict[tuple[int, int], float]:
     with torch.no_grad():
         first = top_k(model(input_ids=prompt).logits[0, -1])
         return {(t1, t2): p1 * p2 for t1, p1 in first.items()
-                for t2, p2 in top_k(model(input_ids=torch.cat([prompt, torch.tensor([[t1]])], 1)).logits[0, -1]).items()}
+                for t2, p2 in top_k(model(input_ids=torch.cat([prompt, torch.tensor([[t1]])], 1)).logits[0, -1])
+                .items()}
 
 
 def chi2_critical(freedom: int) -> float:
@@ -218,7 +221,8 @@ def test_speculation_refuses_a_batch(make_layout):
 
 @pytest.mark.parametrize("asked", [dict(num_beams=2), dict(return_dict_in_generate=True)])
 def test_what_speculation_does_not_do_is_refused(make_layout, asked):
-    with zerolite.load(make_layout(), draft=str(make_layout(layers=2, seed=1)), device="cpu", show_progress=False) as lm:
+    with zerolite.load(make_layout(), draft=str(make_layout(layers=2, seed=1)), device="cpu",
+                       show_progress=False) as lm:
         with pytest.raises(ZeroliteError, match="greedily or by sampling"):
             lm.generate(input_ids=PROMPT, max_new_tokens=4, **asked)
 
@@ -243,7 +247,8 @@ def test_generate_with_a_draft_says_how_many_tokens_each_pass_made(capsys, monke
     prompts.write_text(json.dumps({"id": 0, "input_ids": PROMPT[0].tolist()}) + "\n")
     common = ["generate", "--model", layout, "--device", "cpu", "--cpu-memory", "0", "--input", prompts,
               "--max-new-tokens", str(NEW_TOKENS)]
-    assert run(capsys, monkeypatch, *common, "--output", tmp_path / "plain.jsonl", "--stats-json", tmp_path / "plain.json").code == 0
+    assert run(capsys, monkeypatch, *common, "--output", tmp_path / "plain.jsonl", "--stats-json",
+               tmp_path / "plain.json").code == 0
     assert run(capsys, monkeypatch, *common, "--draft", copy, "--output", tmp_path / "drafted.jsonl",
                "--stats-json", tmp_path / "drafted.json").code == 0
     tokens = [json.loads((tmp_path / f"{name}.jsonl").read_text())["token_ids"] for name in ("plain", "drafted")]
@@ -278,7 +283,8 @@ def test_profile_with_a_draft_reports_its_guesses_on_a_track_of_their_own(capsys
     assert speculation["acceptance_rate"] == 1.0 and speculation["tokens_per_pass"] > 2, speculation
     assert speculation["draft_s"] > 0 and speculation["target_s"] > 0
     trace = json.loads(trace_file.read_text())
-    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+              if e["ph"] == "M" and e["name"] == "thread_name"}
     drafts = [e for e in trace["traceEvents"] if e["ph"] == "X" and tracks[e["tid"]] == "draft (guesses)"]
     assert drafts and all(e["args"]["tokens"] >= 1 for e in drafts)
 

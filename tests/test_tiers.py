@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 from collections import namedtuple
+from functools import partial
 
 import psutil
 import pytest
 import torch
 
 import zerolite
-from cli_runner import run
-from helpers import greedy
+from support.cli_runner import run
+from support.helpers import greedy
 from zerolite.runtime.budget import Budgets
 from zerolite.io.device import CpuDevice
 from zerolite.errors import ZeroliteError
@@ -93,7 +94,8 @@ def test_default_budgets_keep_what_fits_in_free_memory(layout, monkeypatch):
     assert len(tight.on_disk) == LAYERS  # less than the 2 GiB reserve is free: everything streams
 
 
-@pytest.mark.parametrize(("text", "expected"), [("0", 0), ("24GB", 24 * 10**9), ("1.5GiB", 3 << 29), ("512 mb", 512 * 10**6)])
+@pytest.mark.parametrize(("text", "expected"),
+                         [("0", 0), ("24GB", 24 * 10**9), ("1.5GiB", 3 << 29), ("512 mb", 512 * 10**6)])
 def test_sizes_parse(text, expected):
     assert parse_size(text, "--cpu-memory") == expected
 
@@ -109,7 +111,8 @@ def test_the_plan_is_printed_before_the_run(capsys, monkeypatch, tmp_path, layou
     prompts.write_text("".join(json.dumps({"id": i, "input_ids": [5 + i, 9, 12]}) + "\n" for i in range(5)))
     half = sum(layer_bytes(layout)) // 2
     result = run(capsys, monkeypatch, "generate", "--model", layout, "--device", "cpu", "--input", prompts,
-                 "--cpu-memory", str(half) + "B", "--kv-offload", "0.5", "--batch-size", "auto", "--max-new-tokens", "4")
+                 "--cpu-memory", str(half) + "B", "--kv-offload", "0.5", "--batch-size", "auto", "--max-new-tokens",
+                 "4")
     assert result.code == 0, result.stderr
     lines = result.stderr.splitlines()
     plan = next(line for line in lines if line.startswith("plan: "))
@@ -128,7 +131,7 @@ def test_batch_size_auto_fills_the_memory_left(layout, monkeypatch):
         memory = namedtuple("memory", "available total")
         per_sequence = None
         for available, expected in ((10 << 30, 1000), (1 << 20, None)):
-            monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=available, total=available))
+            monkeypatch.setattr(psutil, "virtual_memory", partial(memory, available=available, total=available))
             if expected is None:
                 with pytest.raises(ZeroliteError, match="not even one sequence"):
                     largest_batch(lm, [2000], max_new_tokens=1000)
@@ -151,7 +154,8 @@ def test_kv_offload_keeps_the_chosen_layers_in_growing_host_buffers(layout):
         assert isinstance(layer, HostLayer) and layer.keys.device.type == "cpu"
         assert layer.get_seq_length() == cache.layers[0].get_seq_length() == 4 + 5  # the last token is never fed back
         buffer = layer._buffers[0]
-        assert buffer.shape[0] == MIN_TOKENS and layer.keys.data_ptr() == buffer.data_ptr()  # sequence-first, appended in place
+        # sequence-first, appended in place
+        assert buffer.shape[0] == MIN_TOKENS and layer.keys.data_ptr() == buffer.data_ptr()
 
 
 def test_read_ahead_skips_blocks_that_need_no_transfer():
@@ -159,7 +163,8 @@ def test_read_ahead_skips_blocks_that_need_no_transfer():
 
     schedule = Schedule(["layers.0", "layers.1", "layers.2", "layers.3"])
     on_disk = frozenset({"layers.2", "layers.3"})
-    assert schedule.ahead("layers.0", 2, on_disk) == ["layers.2", "layers.3"]  # read on through layers.1, held in memory
+    # read on through layers.1, held in memory
+    assert schedule.ahead("layers.0", 2, on_disk) == ["layers.2", "layers.3"]
     assert schedule.ahead("layers.3", 2, on_disk) == ["layers.2"]  # wraps into the next forward, never itself
     assert schedule.ahead("layers.0", 2) == ["layers.1", "layers.2"]
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig
 
 import zerolite
-from timed_device import DISK, H100, H2D, Rates, TimedDevice, Wait
+from support.timed_device import DISK, H100, H2D, Rates, TimedDevice, Wait
 from zerolite.layout.folder import Layout
 from zerolite.layout.blocks import module_path
 from zerolite.planner.cost import Candidate, Job, predict
@@ -59,12 +59,14 @@ def run_timed(layout, rates: Rates = H100, rows: int = 1, kv_gb_per_layer: float
                 device.scale[lm.parts.caches.streams[0].name] = kv_gb_per_layer * 1e9 / kv_tiny
             ends, layers_from, layers_to = [], [], []
             hooks = [lm.model.get_submodule(module_path(manifest.layers_path, f"layers.{i}")).register_forward_pre_hook(
-                lambda *_: device.kernel(flops=2 * rows * LAYER_WEIGHTS, nbytes=2 * LAYER_WEIGHTS)) for i in range(LAYERS)]
+                lambda *_: device.kernel(flops=2 * rows * LAYER_WEIGHTS, nbytes=2 * LAYER_WEIGHTS))
+                for i in range(LAYERS)]
             hooks.append(lm.model.lm_head.register_forward_pre_hook(
                 lambda *_: device.kernel(flops=2 * rows * HEAD_WEIGHTS, nbytes=2 * HEAD_WEIGHTS)))
             hooks.append(lm.model.register_forward_hook(lambda *_: ends.append(device.compute_end())))
             # The host's time from before the executor's turn for the first layer to after its turn for the last
-            first, last = (lm.model.get_submodule(module_path(manifest.layers_path, f"layers.{i}")) for i in (0, LAYERS - 1))
+            first, last = (lm.model.get_submodule(module_path(manifest.layers_path, f"layers.{i}"))
+                           for i in (0, LAYERS - 1))
             hooks.append(first.register_forward_pre_hook(lambda *_: layers_from.append(device.now), prepend=True))
             hooks.append(last.register_forward_hook(lambda *_: layers_to.append(device.now)))
             if sabotage is not None:
@@ -93,9 +95,11 @@ def predicted(layout, rates: Rates, candidate: Candidate, kv_gb_per_layer: float
     costs = replace(tiny, formats={"stored": FormatCosts(LAYER_BYTES, tiny.formats["stored"].always_bytes, 0)},
                     dense_weights=LAYER_WEIGHTS, head_weights=HEAD_WEIGHTS, attention_width=0,
                     kv_bytes_per_token=int(kv_per_token))
-    per_weight = {r: max(2 * r / (rates.tflops * 1e12), 2 / (rates.memory_gbps * 1e9)) for r in (1, 16, 64, 256, 4096, 16384)}
-    hardware = Hardware(gpu=True, gpu_ram=80 << 30, host_ram=1 << 40, disk_gbps=rates.disk_gbps, fill_gbps=rates.disk_gbps,
-                        h2d_gbps=rates.h2d_gbps, gpu_tflops=rates.tflops, compute={"stored": per_weight})
+    per_weight = {r: max(2 * r / (rates.tflops * 1e12), 2 / (rates.memory_gbps * 1e9)) for r in (1, 16, 64, 256, 4096,
+                                                                                                 16384)}
+    hardware = Hardware(gpu=True, gpu_ram=80 << 30, host_ram=1 << 40, disk_gbps=rates.disk_gbps,
+                        fill_gbps=rates.disk_gbps, h2d_gbps=rates.h2d_gbps, gpu_tflops=rates.tflops,
+                        compute={"stored": per_weight})
     job = Job(prompt_tokens=len(PROMPT) - 1, new_tokens=2)  # context: the prompt, as kv_gb_per_layer is sized
     return predict(costs, hardware, candidate, job).decode_step_s
 
@@ -153,7 +157,8 @@ def test_resident_layers_among_streamed_ones_keep_the_link_busy(layout):
     assert run.link_busy >= 0.9, run
     assert run.step_s == pytest.approx(predicted(layout, H100, replace(candidate, batch_size=5120)), rel=0.1)
     with zerolite.load(layout, device=TimedDevice(H100), show_progress=False, **policy) as lm:
-        assert [name for name in lm.plan.resident if name.startswith("layers.")] == [f"layers.{i}" for i in (0, 2, 4, 6)]
+        held = [name for name in lm.plan.resident if name.startswith("layers.")]
+        assert held == [f"layers.{i}" for i in (0, 2, 4, 6)]
 
 
 def test_a_ring_with_a_slot_for_every_streamed_layer_moves_nothing_after_the_first_step(layout):

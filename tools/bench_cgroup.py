@@ -95,7 +95,8 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.1)
-        raise ZeroliteError(f"cannot remove the cgroup {self.path}: processes are still in it ({self.path / 'cgroup.procs'})")
+        raise ZeroliteError(f"cannot remove the cgroup {self.path}: "
+                            f"processes are still in it ({self.path / 'cgroup.procs'})")
 
     def write(self, name: str, value: int, optional: bool = False) -> None:
         file = self.path / name

@@ -76,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = Checkpoint.open(args.source)
     nbytes = sum(path.stat().st_size for path in checkpoint.weight_files)
-    with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.source).resolve().parent, prefix="convert-") as scratch:
+    with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.source).resolve().parent,
+                                     prefix="convert-") as scratch:
         copy, layout = Path(scratch) / "copy", Path(scratch) / "layout"
         copy.mkdir()
         drop_page_cache()
@@ -88,7 +89,8 @@ def main() -> None:
               "convert_gbps": nbytes / convert_s / 1e9, "ratio": copy_s / convert_s, "convert_peak_rss_bytes": peak_rss,
               "weights": args.weights}
     print(f"{nbytes / 1e9:.2f} GB: plain copy {copy_s:.1f} s ({result['copy_gbps']:.2f} GB/s), convert"
-          f"{' --weights ' + args.weights if args.weights else ''} {convert_s:.1f} s ({result['convert_gbps']:.2f} GB/s) "
+          f"{' --weights ' + args.weights if args.weights else ''} "
+          f"{convert_s:.1f} s ({result['convert_gbps']:.2f} GB/s) "
           f"= {result['ratio']:.2f}x the copy's throughput; convert's peak RSS {peak_rss / 1e9:.2f} GB")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

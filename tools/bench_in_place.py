@@ -68,7 +68,8 @@ def main() -> None:
     console = Console(width=None if sys.stdout.isatty() else 160)
 
     results: dict[str, list[dict]] = {IN_PLACE: [], LAYOUT: []}
-    with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.layout).resolve().parent, prefix="in-place-") as scratch:
+    with tempfile.TemporaryDirectory(dir=args.scratch or Path(args.layout).resolve().parent,
+                                     prefix="in-place-") as scratch:
         def run(name: str) -> dict:
             result = run_contender(name, args, 0, scratch, None)
             if "error" in result:
@@ -84,9 +85,11 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name in (IN_PLACE, LAYOUT) if round_ % 2 == 0 else (LAYOUT, IN_PLACE):
                 results[name].append(run(name))
-                console.print(f"round {round_ + 1} {name}: decode step {decode_step(results[name][-1]):.3f} s", highlight=False)
+                console.print(f"round {round_ + 1} {name}: decode step {decode_step(results[name][-1]):.3f} s",
+                              highlight=False)
 
-    first_token = {name: r["ready_s"] + r["prefill_s"] for name, r in ((CONVERT_FIRST, converted), (IN_PLACE, first_in_place))}
+    first_token = {name: r["ready_s"] + r["prefill_s"]
+                   for name, r in ((CONVERT_FIRST, converted), (IN_PLACE, first_in_place))}
     prepare = {CONVERT_FIRST: converted["prepare_s"], IN_PLACE: first_in_place["prepare_s"]}
     steps = {name: statistics.median(map(decode_step, runs)) for name, runs in results.items()}
     same = all(r["tokens"] == results[LAYOUT][0]["tokens"] for runs in results.values() for r in runs)
@@ -96,22 +99,24 @@ def main() -> None:
         "start_and_imports_s": imports,
         "first_token_beyond_imports_ratio": (first_token[IN_PLACE] - imports) / (first_token[CONVERT_FIRST] - imports),
         "prepare_s": prepare, "prepare_ratio": prepare[IN_PLACE] / prepare[CONVERT_FIRST],
-        "decode_step_s": steps, "steps_by_round": {name: [round(decode_step(r), 4) for r in runs] for name, runs in results.items()},
+        "decode_step_s": steps,
+        "steps_by_round": {name: [round(decode_step(r), 4) for r in runs] for name, runs in results.items()},
         "tokens_per_s": {name: args.batch_size / step for name, step in steps.items()},
         "tokens_per_s_ratio": steps[LAYOUT] / steps[IN_PLACE], "same_tokens": same,
         "written_bytes": {"converted layout": written_converted, "in place": written_in_place},
     }
-    table = Table(title=f"in place vs converted: batch {args.batch_size}, {args.new_tokens} new tokens, every layer streamed, "
-                        "page cache dropped before each run")
+    table = Table(title=f"in place vs converted: batch {args.batch_size}, {args.new_tokens} new tokens, "
+                        "every layer streamed, page cache dropped before each run")
     for column in ("", "in place", "converted layout", "in place / converted"):
         table.add_column(column, justify="right" if column else "left")
-    table.add_row("first token from nothing (s)", f"{first_token[IN_PLACE]:.1f}", f"{first_token[CONVERT_FIRST]:.1f} (convert first)",
-                  f"{summary['first_token_ratio']:.2f}x")
-    table.add_row("  of which starting Python, importing torch and transformers (s)", f"{imports:.1f}", f"{imports:.1f}", "")
-    table.add_row("  beyond that (s)", f"{first_token[IN_PLACE] - imports:.1f}", f"{first_token[CONVERT_FIRST] - imports:.1f}",
-                  f"{summary['first_token_beyond_imports_ratio']:.2f}x")
-    table.add_row("  of which converting / planning in place (s)", f"{prepare[IN_PLACE]:.2f}", f"{prepare[CONVERT_FIRST]:.2f}",
-                  f"{summary['prepare_ratio']:.2f}x")
+    table.add_row("first token from nothing (s)", f"{first_token[IN_PLACE]:.1f}",
+                  f"{first_token[CONVERT_FIRST]:.1f} (convert first)", f"{summary['first_token_ratio']:.2f}x")
+    table.add_row("  of which starting Python, importing torch and transformers (s)", f"{imports:.1f}",
+                  f"{imports:.1f}", "")
+    table.add_row("  beyond that (s)", f"{first_token[IN_PLACE] - imports:.1f}",
+                  f"{first_token[CONVERT_FIRST] - imports:.1f}", f"{summary['first_token_beyond_imports_ratio']:.2f}x")
+    table.add_row("  of which converting / planning in place (s)", f"{prepare[IN_PLACE]:.2f}",
+                  f"{prepare[CONVERT_FIRST]:.2f}", f"{summary['prepare_ratio']:.2f}x")
     table.add_row(f"decode step, median of {args.rounds} (s)", f"{steps[IN_PLACE]:.3f}", f"{steps[LAYOUT]:.3f}",
                   f"{steps[IN_PLACE] / steps[LAYOUT]:.2f}x")
     table.add_row("tokens/s", f"{summary['tokens_per_s'][IN_PLACE]:.2f}", f"{summary['tokens_per_s'][LAYOUT]:.2f}",

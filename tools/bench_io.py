@@ -78,7 +78,8 @@ def first_read_gbps(path: str, how: str) -> float:
 
 
 def first_reads(path: str, nbytes: int, rounds: int, console: Console) -> None:
-    table = Table(title=f"first reads of {nbytes / 2**30:.1f} GiB into fresh memory: a fresh process each, caches dropped")
+    table = Table(title=f"first reads of {nbytes / 2**30:.1f} GiB into fresh memory: "
+                        "a fresh process each, caches dropped")
     for column in ["round", "fio GB/s", "touch alone GB/s", "read GB/s", "read / fio", "huge pages: read GB/s",
                    "huge / fio"]:
         table.add_column(column, justify="right")
@@ -100,7 +101,8 @@ def first_reads(path: str, nbytes: int, rounds: int, console: Console) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--first-read", type=int, metavar="ROUNDS", help="measure first reads into fresh memory instead")
+    parser.add_argument("--first-read", type=int, metavar="ROUNDS",
+                        help="measure first reads into fresh memory instead")
     parser.add_argument("--file", default="build/bench-io.bin", help="file to read (created if absent)")
     parser.add_argument("--size-gib", type=float, default=2.0)
     parser.add_argument("--depths", default="4,16,32")
@@ -141,7 +143,8 @@ def main() -> None:
             table.add_row(
                 f"{chunk_kib} KiB", str(depth), f"{reference:.2f} ({best_reference:.2f})",
                 *[f"{statistics.median(runs[b]):.2f} ({max(runs[b]):.2f})" for b in backends],
-                *[f"{statistics.median(runs[b]) / reference:.0%} ({max(runs[b]) / best_reference:.0%})" for b in backends],
+                *[f"{statistics.median(runs[b]) / reference:.0%} ({max(runs[b]) / best_reference:.0%})"
+                  for b in backends],
             )
     console.print(table)
 

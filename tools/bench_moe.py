@@ -28,9 +28,10 @@ disk's speed drifts between runs (whole runs of one session: 1.09 to 1.48 tokens
 single pair puts that drift into the ratio. The median speed-up is reported, with every pair's.
 The bytes, routing and guesses are those of the first routed run; every run's tokens are compared.
 
-Printed: per batch size and mode, decode tokens/s (every run), the read-only pass (and its ratio), the median decode step's bytes (dense and
-experts), what the routing says it should read, the ratio to dense + k/E of the experts (batch 1),
-the guess rate of the next-layer prefetch, and whether the tokens equal the whole-layer run's.
+Printed: per batch size and mode, decode tokens/s (every run), the read-only pass (and its ratio),
+the median decode step's bytes (dense and experts), what the routing says it should read, the ratio
+to dense + k/E of the experts (batch 1), the guess rate of the next-layer prefetch, and whether the
+tokens equal the whole-layer run's.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import zerolite  # first: it sets torch's thread waits before torch loads (zerolite.openmp)
+
+# isort: split
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -118,7 +121,8 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int) -> dict
             "bytes_per_step": [s["bytes"] for s in decode],
             "expert_bytes_per_step": [s["expert_bytes"] for s in decode],
             # what the routing says a step should read when it reads only the routed experts
-            "routed_bytes_per_step": [dense + sum(map(len, s["routed"])) * area.stride for s in decode] if area else None,
+            "routed_bytes_per_step": [dense + sum(map(len, s["routed"])) * area.stride for s in decode]
+            if area else None,
             # and with the guessed experts read early that the router then did not pick
             "routed_and_unused_bytes_per_step": [dense + (sum(map(len, s["routed"])) + s["early_unused"]) * area.stride
                                                  for s in decode] if area else None,
@@ -203,14 +207,16 @@ def main() -> None:
         results += [whole, routed]
         for r, runs in ((whole, wholes), (routed, routeds)):
             r["decode_tokens_per_s_runs"] = [run["decode_tokens_per_s"] for run in runs]
-        routed["speedups"] = [run["decode_tokens_per_s"] / statistics.mean(w["decode_tokens_per_s"] for w in wholes[i:i + 2])
+        routed["speedups"] = [run["decode_tokens_per_s"]
+                              / statistics.mean(w["decode_tokens_per_s"] for w in wholes[i:i + 2])
                               for i, run in enumerate(routeds)]
         routed["speedup"] = statistics.median(routed["speedups"])
         routed["same_tokens_as_whole"] = all(run["tokens"] == whole["tokens"] for run in routeds + wholes)
         share = routed["experts_per_layer"] and 2 / routed["experts_per_layer"]  # top-2 of E
         routed["top_k_bound_bytes"] = routed["dense_bytes"] + share * routed["expert_bytes"]
         routed["bytes_over_top_k_bound"] = statistics.median(routed["bytes_per_step"]) / routed["top_k_bound_bytes"]
-        routed["bytes_equal_routing"] = sum(a == b for a, b in zip(routed["bytes_per_step"], routed["routed_bytes_per_step"]))
+        routed["bytes_equal_routing"] = sum(a == b for a, b in zip(routed["bytes_per_step"],
+                                                                   routed["routed_bytes_per_step"]))
         routed["bytes_equal_routing_and_unused"] = sum(
             a == b for a, b in zip(routed["bytes_per_step"], routed["routed_and_unused_bytes_per_step"]))
         # The disk's own speed-up bound: a read-only pass over what the routed steps needed against one
@@ -220,23 +226,27 @@ def main() -> None:
         routed["read_only_s"] = read_only_pass(layout, routed["routed"], steps)
         routed["read_only_speedup"] = whole["read_only_s"] / routed["read_only_s"]
 
-    table = Table(title=f"{args.layout}: streamed from disk at every step, decode steps of {args.new_tokens} new tokens")
+    table = Table(title=f"{args.layout}: streamed from disk at every step, "
+                        f"decode steps of {args.new_tokens} new tokens")
     for column in ["batch", "experts", "tokens/s", "speed-up", "read-only pass", "GB/step (median)", "of it experts",
-                   "routing says", "/ dense + 2/8", "steps = routing (+ early unused)", "guesses right", "tokens = whole"]:
+                   "routing says", "/ dense + 2/8", "steps = routing (+ early unused)", "guesses right",
+                   "tokens = whole"]:
         table.add_column(column, justify="right")
     for r in results:
         routed = r["experts"] == "routed"
         median_bytes = statistics.median(r["bytes_per_step"])
         table.add_row(
             str(r["batch_size"]), r["experts"], " ".join(f"{rate:.2f}" for rate in r["decode_tokens_per_s_runs"]),
-            (f"{r['speedup']:.2f}x" + (f" ({' '.join(f'{x:.2f}' for x in r['speedups'])})" if len(r["speedups"]) > 1 else ""))
+            (f"{r['speedup']:.2f}x"
+             + (f" ({' '.join(f'{x:.2f}' for x in r['speedups'])})" if len(r["speedups"]) > 1 else ""))
             if routed else "1.00x",
             f"{r['read_only_s']:.2f} s" + (f" ({r['read_only_speedup']:.2f}x)" if routed else ""),
             f"{median_bytes / 1e9:.3f}",
             f"{statistics.median(r['expert_bytes_per_step']) / 1e9:.3f}" if routed else "-",
             f"{statistics.median(r['routed_bytes_per_step']) / 1e9:.3f}" if routed else "-",
             f"{r['bytes_over_top_k_bound']:.3f}" if routed else "-",
-            f"{r['bytes_equal_routing']} ({r['bytes_equal_routing_and_unused']})/{len(r['bytes_per_step'])}" if routed else "-",
+            f"{r['bytes_equal_routing']} ({r['bytes_equal_routing_and_unused']})/{len(r['bytes_per_step'])}"
+            if routed else "-",
             f"{r['guessed_right']}/{r['guessed']}" if routed and r["guessed"] else "-",
             str(r["same_tokens_as_whole"]) if routed else "-",
         )

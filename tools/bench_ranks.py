@@ -83,7 +83,8 @@ class Sampler:
         found = []
         for process in family:
             try:
-                if "zerolite" in " ".join(process.cmdline()) and "torch.distributed.run" not in " ".join(process.cmdline()):
+                command = " ".join(process.cmdline())
+                if "zerolite" in command and "torch.distributed.run" not in command:
                     found.append(process)
             except psutil.NoSuchProcess:
                 continue

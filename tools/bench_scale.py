@@ -107,7 +107,8 @@ def read_pass_step(layout_folder: Path, passes: int) -> float:
 
     layout = Layout.open(layout_folder)
     drop_page_cache()
-    return read_pass(layout, list(layout.manifest.layer_names), passes=passes, depth=Policy().prefetch_depth)["median_pass_s"]
+    return read_pass(layout, list(layout.manifest.layer_names), passes=passes,
+                     depth=Policy().prefetch_depth)["median_pass_s"]
 
 
 def plan_predictor(source: Path, args):
@@ -145,8 +146,9 @@ def convert_beside_a_copy(source: Path, scratch: Path, int4_folder: Path, consol
         name = weights or "bf16"
         result[name] = {"convert_s": seconds, "peak_rss_bytes": rss, "disk_bytes": written,
                         "throughput_vs_copy": copy_s / seconds}
-        console.print(f"convert {name}: {seconds:.0f} s beside a plain copy's {copy_s:.0f} s ({copy_s / seconds:.2f}x its "
-                      f"throughput), peak RSS {rss / 1e9:.2f} GB, {written / 1e9:.1f} GB written", highlight=False)
+        console.print(f"convert {name}: {seconds:.0f} s beside a plain copy's {copy_s:.0f} s "
+                      f"({copy_s / seconds:.2f}x its throughput), peak RSS {rss / 1e9:.2f} GB, "
+                      f"{written / 1e9:.1f} GB written", highlight=False)
     return result
 
 
@@ -229,8 +231,8 @@ def main() -> None:
             result = run_contender(name, args, 0, str(scratch), None)
             result["disk_bytes"] = folder_bytes(scratch / "in-place") + folder_bytes(scratch / "accelerate-offload")
             results[run] = result
-            summary = result.get("error") or f"first token {result['ready_s'] + result['prefill_s']:.1f} s, decode step " \
-                                                f"{statistics.median(result['step_s']):.2f} s"
+            summary = result.get("error") or (f"first token {result['ready_s'] + result['prefill_s']:.1f} s, "
+                                              f"decode step {statistics.median(result['step_s']):.2f} s")
             console.print(f"{run}: {summary}", highlight=False)
         if "read-pass" in runs:
             folder = next((scratch / "in-place").glob("*"), None) if (scratch / "in-place").exists() else None
@@ -243,10 +245,11 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(args.folder, ignore_errors=True)
-    table = Table(title=f"a {SCALE_CONFIG['num_hidden_layers']}-layer Llama of hidden {SCALE_CONFIG['hidden_size']} in bf16, "
-                        f"{args.new_tokens} new tokens, page cache dropped before each run")
-    for column in ("run", "batch", "held layers", "depth", "first token s", "decode step s", "plan predicts s", "step / read pass",
-                   "bound s", "step / bound", "peak RSS GB", "disk GB"):
+    table = Table(title=f"a {SCALE_CONFIG['num_hidden_layers']}-layer Llama of hidden "
+                        f"{SCALE_CONFIG['hidden_size']} in bf16, {args.new_tokens} new tokens, "
+                        "page cache dropped before each run")
+    for column in ("run", "batch", "held layers", "depth", "first token s", "decode step s", "plan predicts s",
+                   "step / read pass", "bound s", "step / bound", "peak RSS GB", "disk GB"):
         table.add_column(column, justify="left" if column == "run" else "right")
     read_pass = results.get("read-pass", {}).get("step_s", [None])[0]
     for run, result in results.items():
@@ -257,8 +260,8 @@ def main() -> None:
         if held is not None:
             result["predicted_step_s"] = predictor(RUNS[run][1], "int4" if run == "int4" else "stored", held,
                                                    result["prefetch_depth"])
-        table.add_row(run, str(RUNS[run][1]), "-" if held is None else str(held), str(result.get("prefetch_depth", "-")),
-                      f"{result['ready_s'] + result['prefill_s']:.1f}",
+        table.add_row(run, str(RUNS[run][1]), "-" if held is None else str(held),
+                      str(result.get("prefetch_depth", "-")), f"{result['ready_s'] + result['prefill_s']:.1f}",
                       f"{step:.2f}", f"{result['predicted_step_s']:.2f}" if held is not None else "-",
                       f"{step / read_pass:.2f}x" if read_pass else "-",
                       *bound_columns(result, run, step, read_pass, results.get("compute")),
@@ -273,8 +276,8 @@ def main() -> None:
         console.print(f"int4 convert: {c['convert_s']:.0f} s, peak RSS {c['peak_rss_bytes'] / 1e9:.2f} GB, "
                       f"{c['disk_bytes'] / 1e9:.1f} GB written", highlight=False)
     if args.json:
-        Path(args.json).write_text(json.dumps({run: {k: v for k, v in r.items() if k != "tokens"} for run, r in results.items()},
-                                              indent=1))
+        kept = {run: {k: v for k, v in r.items() if k != "tokens"} for run, r in results.items()}
+        Path(args.json).write_text(json.dumps(kept, indent=1))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def main() -> None:
             after = server.metrics()
             steps = after["zerolite_step_seconds_count"] - before["zerolite_step_seconds_count"]
             phases[name]["steps"] = int(steps)
-            phases[name]["gb_read_per_step"] = round((after["zerolite_bytes_read"] - before["zerolite_bytes_read"]) / 1e9 / max(steps, 1), 3)
+            read = after["zerolite_bytes_read"] - before["zerolite_bytes_read"]
+            phases[name]["gb_read_per_step"] = round(read / 1e9 / max(steps, 1), 3)
     alone, together = phases.values()
     report = {"model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "spread_s": args.spread,
@@ -82,8 +83,8 @@ class Server:
     """zerolite serve in a process of its own, on a free port of 127.0.0.1."""
 
     def __init__(self, model: str, device: str, clients: int):
-        self.command = [sys.executable, "-m", "zerolite", "serve", "--model", model, "--device", device, "--offload", "nvme",
-                        "--cpu-memory", "0", "--gpu-memory", "0", "--port", "0", "--max-batch", str(clients)]
+        self.command = [sys.executable, "-m", "zerolite", "serve", "--model", model, "--device", device, "--offload",
+                        "nvme", "--cpu-memory", "0", "--gpu-memory", "0", "--port", "0", "--max-batch", str(clients)]
 
     def __enter__(self) -> Server:
         self.process = subprocess.Popen(self.command, stderr=subprocess.PIPE, text=True)
@@ -113,7 +114,8 @@ def run_phase(server: Server, clients: int, prompt_tokens: int, new_tokens: int,
     start = time.perf_counter()
     sent = [spread_s * i / clients for i in range(clients)]
     with ThreadPoolExecutor(clients) as pool:
-        timelines = list(pool.map(lambda i: stream_one(server, i, prompt_tokens, new_tokens, start, sent[i]), range(clients)))
+        timelines = list(pool.map(lambda i: stream_one(server, i, prompt_tokens, new_tokens, start, sent[i]),
+                                  range(clients)))
     wall = max(times[-1] for times in timelines)
     ttft = [times[0] - at for times, at in zip(timelines, sent)]
     gaps = [b - a for times in timelines for a, b in zip(times, times[1:])]
@@ -124,7 +126,8 @@ def run_phase(server: Server, clients: int, prompt_tokens: int, new_tokens: int,
             "timelines": timelines}
 
 
-def stream_one(server: Server, client: int, prompt_tokens: int, new_tokens: int, start: float, at: float) -> list[float]:
+def stream_one(server: Server, client: int, prompt_tokens: int, new_tokens: int,
+               start: float, at: float) -> list[float]:
     """One streaming request, sent at seconds after the phase began; the time of each token since then."""
     import random
 

@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 
 import zerolite  # first: it sets torch's thread waits before torch loads (zerolite.openmp)
+
+# isort: split
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -76,9 +78,11 @@ def main() -> None:
         encoded = encode(lm, [Prompt(str(r["id"]), r.get("prompt"), r.get("input_ids")) for r in rows], chat)
         sequences = {i: torch.tensor([encoded[int(i)] + plain["tokens"][i]]) for i in plain["tokens"]}
         model_logits = {i: logits_of(lm.model, ids) for i, ids in sequences.items()}
-        for (name, draft, group_size), result in zip(variants, runs.values()):
-            result["speed_up"] = round(result["stats"]["decode_tokens_per_s"] / plain["stats"]["decode_tokens_per_s"], 3)
-            result["differences"] = differences(encoded, model_logits, plain["tokens"], result["tokens"], lm.model.dtype)
+        for (_name, draft, group_size), result in zip(variants, runs.values()):
+            speed_up = result["stats"]["decode_tokens_per_s"] / plain["stats"]["decode_tokens_per_s"]
+            result["speed_up"] = round(speed_up, 3)
+            result["differences"] = differences(encoded, model_logits, plain["tokens"], result["tokens"],
+                                                lm.model.dtype)
             if draft is not None:
                 result["agreement"] = agreement(lm, draft, group_size, encoded, sequences, model_logits)
     report(Console(width=180), runs, layout, chat)
@@ -104,7 +108,8 @@ def write_prompts(layout: Path, count: int, path: Path) -> tuple[Path, bool]:
             if chat:
                 row = {"id": i, "prompt": QUESTIONS[i % len(QUESTIONS)]}
             else:
-                row = {"id": i, "input_ids": torch.randint(3, vocab, (RANDOM_PROMPT_TOKENS,), generator=generator).tolist()}
+                row = {"id": i,
+                       "input_ids": torch.randint(3, vocab, (RANDOM_PROMPT_TOKENS,), generator=generator).tolist()}
             f.write(json.dumps(row) + "\n")
     return path, chat
 
@@ -139,7 +144,8 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits[0].float()
 
 
-def differences(encoded: list[list[int]], model_logits: dict, plain: dict, drafted: dict, dtype: torch.dtype) -> list[dict]:
+def differences(encoded: list[list[int]], model_logits: dict, plain: dict, drafted: dict,
+                dtype: torch.dtype) -> list[dict]:
     """For each prompt whose tokens differ: where, and the model's top-2 gap there (its own logits,
     in one forward over the prompt and the plain run's tokens)."""
     found = []
@@ -183,8 +189,9 @@ def report(console: Console, runs: dict, layout: Path, chat: bool) -> None:
         same = sum(result["tokens"][i] == runs["plain"]["tokens"][i] for i in result["tokens"])
         table.add_row(name, f"{s['decode_tokens_per_s']:.2f}", f"{result['speed_up']:.2f}x",
                       f"{s['acceptance_rate']:.1%}" if s.get("acceptance_rate") is not None else "-",
-                      f"{s['tokens_per_pass']:.2f}", agreed(result.get("agreement")), f"{s.get('draft_s', 0):.2f}", f"{s.get('target_s', s['decode_s']):.2f}",
-                      f"{s['bytes_read'] / 1e9:.2f}", f"{same}/{len(result['tokens'])}")
+                      f"{s['tokens_per_pass']:.2f}", agreed(result.get("agreement")), f"{s.get('draft_s', 0):.2f}",
+                      f"{s.get('target_s', s['decode_s']):.2f}", f"{s['bytes_read'] / 1e9:.2f}",
+                      f"{same}/{len(result['tokens'])}")
     console.print(table)
     for name, result in runs.items():
         if result["draft_plan"]:

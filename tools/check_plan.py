@@ -6,9 +6,9 @@ Run as root (the page cache is dropped before each run).
 
 1. The disk's rate, recorded for plan: the engine's cold read of the dense layout (zerolite profile --disk).
 2. The grid: each model x {every layer streamed (--cpu-memory 0), half the layers in host memory} x
-   batch {1, 16} (the prefetch depth, not given, is plan's in both the plan and the run). For each, `zerolite plan --json` and `zerolite generate` take the same flags; the
-   table sets the predicted decode step beside the measured one (generate's decode seconds over its
-   decode steps).
+   batch {1, 16} (the prefetch depth, not given, is plan's in both the plan and the run). For each,
+   `zerolite plan --json` and `zerolite generate` take the same flags; the table sets the predicted
+   decode step beside the measured one (generate's decode seconds over its decode steps).
 3. For each model and batch, plan's own choice (the tiers and prefetch depth searched, for this job:
    as many prompts as the batch) run the same way; its job time (loading, prefill and decode, from
    generate's stats) beside the best hand-set policy's.
@@ -47,25 +47,28 @@ def half_the_layers(layout: Path) -> int:
 
 
 def plan(layout: Path, flags: list[str], args) -> dict:
-    out = subprocess.run([*ZEROLITE, "plan", "--model", str(layout), "--json", "--prompt-tokens", str(args.prompt_tokens),
-                          "--new-tokens", str(args.new_tokens), *flags], capture_output=True, text=True, check=True)
+    out = subprocess.run([*ZEROLITE, "plan", "--model", str(layout), "--json", "--prompt-tokens",
+                          str(args.prompt_tokens), "--new-tokens", str(args.new_tokens), *flags], capture_output=True,
+                          text=True, check=True)
     return json.loads(out.stdout)
 
 
 def run(layout: Path, flags: list[str], batch: int, args, scratch: Path) -> dict:
     prompts = scratch / f"prompts-{batch}.jsonl"
     rng = random.Random(0)
-    prompts.write_text("".join(json.dumps({"id": str(i), "input_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_tokens)]}) + "\n"
-                               for i in range(batch)))
+    rows = [{"id": str(i), "input_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_tokens)]}
+            for i in range(batch)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     stats = scratch / "stats.json"
     drop_page_cache()
-    subprocess.run([*ZEROLITE, "generate", "--model", str(layout), "--input", str(prompts), "--output", str(scratch / "out.jsonl"),
-                    "--max-new-tokens", str(args.new_tokens), "--stats-json", str(stats), "--device", "cpu", *flags],
+    subprocess.run([*ZEROLITE, "generate", "--model", str(layout), "--input", str(prompts), "--output",
+                    str(scratch / "out.jsonl"), "--max-new-tokens", str(args.new_tokens), "--stats-json", str(stats),
+                    "--device", "cpu", *flags],
                    check=True, capture_output=True, text=True)
     (scratch / "out.jsonl").unlink()
     s = json.loads(stats.read_text())
-    return {"decode_step_s": s["decode_s"] / max(s["decode_steps"], 1), "job_s": s["load_s"] + s["prefill_s"] + s["decode_s"],
-            "load_s": s["load_s"], "prefill_s": s["prefill_s"]}
+    return {"decode_step_s": s["decode_s"] / max(s["decode_steps"], 1),
+            "job_s": s["load_s"] + s["prefill_s"] + s["decode_s"], "load_s": s["load_s"], "prefill_s": s["prefill_s"]}
 
 
 def main() -> None:
@@ -90,7 +93,8 @@ def main() -> None:
         for model, layout in models.items():
             tiers = {"all streamed": "0", "half in host": f"{half_the_layers(layout)}B"}
             for batch in args.batch_sizes:
-                policies = {tier: ["--batch-size", str(batch), "--cpu-memory", budget] for tier, budget in tiers.items()}
+                policies = {tier: ["--batch-size", str(batch), "--cpu-memory", budget]
+                            for tier, budget in tiers.items()}
                 predicted = {tier: plan(layout, flags, args) for tier, flags in policies.items()}
                 chosen = plan(layout, ["--batch-size", str(batch)], args)
                 policies["chosen"] = chosen["command"][chosen["command"].index("--batch-size"):]
@@ -98,16 +102,19 @@ def main() -> None:
                 for _ in range(args.rounds):  # in turns, so that a drifting disk treats each alike
                     for name, flags in policies.items():
                         runs[name].append(run(layout, flags, batch, args, scratch))
-                measured = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+                measured = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+                            for name, rs in runs.items()}
                 for tier in tiers:
                     error = predicted[tier]["decode_step_s"] / measured[tier]["decode_step_s"] - 1
                     cases.append({"model": model, "tiers": tier, "batch": batch, "predicted": predicted[tier],
                                   "measured": measured[tier], "error": error})
-                    console.print(f"{model}, {tier}, batch {batch}: predicted {predicted[tier]['decode_step_s']:.3f} s, "
+                    console.print(f"{model}, {tier}, batch {batch}: "
+                                  f"predicted {predicted[tier]['decode_step_s']:.3f} s, "
                                   f"measured {measured[tier]['decode_step_s']:.3f} s ({error:+.0%})", highlight=False)
                 best = min(tiers, key=lambda tier: measured[tier]["job_s"])
                 choices.append({"model": model, "batch": batch, "flags": policies["chosen"], "predicted": chosen,
-                                "measured": measured["chosen"], "best_hand_set": best, "best_job_s": measured[best]["job_s"],
+                                "measured": measured["chosen"], "best_hand_set": best,
+                                "best_job_s": measured[best]["job_s"],
                                 "ratio": measured[best]["job_s"] / measured["chosen"]["job_s"]})
                 console.print(f"{model}, batch {batch}: plan chose {' '.join(policies['chosen'])}: job "
                               f"{measured['chosen']['job_s']:.2f} s against {measured[best]['job_s']:.2f} s ({best}): "
@@ -117,26 +124,30 @@ def main() -> None:
     for column in ("model", "layers", "batch", "bottleneck", "predicted s", "measured s", "error"):
         table.add_column(column, justify="right" if column not in ("model", "layers", "bottleneck") else "left")
     for c in cases:
-        table.add_row(c["model"], c["tiers"], str(c["batch"]), c["predicted"]["bottleneck"], f"{c['predicted']['decode_step_s']:.3f}",
-                      f"{c['measured']['decode_step_s']:.3f}", f"{c['error']:+.0%}",
-                      style=None if abs(c["error"]) <= TOLERANCE else "red")
+        table.add_row(c["model"], c["tiers"], str(c["batch"]), c["predicted"]["bottleneck"],
+                      f"{c['predicted']['decode_step_s']:.3f}", f"{c['measured']['decode_step_s']:.3f}",
+                      f"{c['error']:+.0%}", style=None if abs(c["error"]) <= TOLERANCE else "red")
     console.print(table)
     choice_table = Table(title="plan's choice against the hand-set policies (job: loading, prefill, decode)")
     for column in ("model", "batch", "chosen flags", "its job s", "best hand-set", "its job s", "ratio"):
         choice_table.add_column(column)
     for c in choices:
-        choice_table.add_row(c["model"], str(c["batch"]), " ".join(c["flags"]), f"{c['measured']['job_s']:.2f}", c["best_hand_set"],
-                             f"{c['best_job_s']:.2f}", f"{c['ratio']:.2f}", style=None if c["ratio"] >= CHOICE_FLOOR else "red")
+        choice_table.add_row(c["model"], str(c["batch"]), " ".join(c["flags"]), f"{c['measured']['job_s']:.2f}",
+                             c["best_hand_set"], f"{c['best_job_s']:.2f}", f"{c['ratio']:.2f}",
+                             style=None if c["ratio"] >= CHOICE_FLOOR else "red")
     console.print(choice_table)
     within = sum(abs(c["error"]) <= TOLERANCE for c in cases)
     console.print(f"{within} of {len(cases)} predictions within {TOLERANCE:.0%}; "
-                  f"{sum(c['ratio'] >= CHOICE_FLOOR for c in choices)} of {len(choices)} choices at {CHOICE_FLOOR}x the best or better")
+                  f"{sum(c['ratio'] >= CHOICE_FLOOR for c in choices)} of {len(choices)} choices "
+                  f"at {CHOICE_FLOOR}x the best or better")
     if args.json:
         args.json.write_text(json.dumps({"cases": cases, "choices": choices}, indent=2) + "\n")
     if args.markdown:
-        lines = ["| model | layers | batch | bottleneck | predicted s | measured s | error |", "|---|---|---:|---|---:|---:|---:|"]
-        lines += [f"| {c['model']} | {c['tiers']} | {c['batch']} | {c['predicted']['bottleneck']} | {c['predicted']['decode_step_s']:.3f} | "
-                  f"{c['measured']['decode_step_s']:.3f} | {c['error']:+.0%} |" for c in cases]
+        lines = ["| model | layers | batch | bottleneck | predicted s | measured s | error |",
+                 "|---|---|---:|---|---:|---:|---:|"]
+        lines += [f"| {c['model']} | {c['tiers']} | {c['batch']} | {c['predicted']['bottleneck']} | "
+                  f"{c['predicted']['decode_step_s']:.3f} | {c['measured']['decode_step_s']:.3f} | "
+                  f"{c['error']:+.0%} |" for c in cases]
         args.markdown.write_text("\n".join(lines) + "\n")
 
 

@@ -37,15 +37,17 @@ def zerolite_json(*args: str) -> dict:
     return json.loads(out)
 
 
-def generate_step_s(layout: str, settings: list[str], batch: int, prompt_tokens: int, new_tokens: int, vocab: int) -> float:
+def generate_step_s(layout: str, settings: list[str], batch: int, prompt_tokens: int, new_tokens: int,
+                    vocab: int) -> float:
     with tempfile.TemporaryDirectory() as folder:
         prompts, stats = Path(folder) / "prompts.jsonl", Path(folder) / "stats.json"
         rng = random.Random(0)
         prompts.write_text("".join(
-            json.dumps({"id": i, "input_ids": [rng.randrange(vocab) for _ in range(prompt_tokens)]}) + "\n" for i in range(batch)
+            json.dumps({"id": i, "input_ids": [rng.randrange(vocab) for _ in range(prompt_tokens)]}) + "\n"
+            for i in range(batch)
         ))
-        subprocess.run([ZEROLITE, "generate", "--model", layout, *settings, "--input", str(prompts), "--batch-size", str(batch),
-                        "--max-new-tokens", str(new_tokens), "--output", str(Path(folder) / "out.jsonl"),
+        subprocess.run([ZEROLITE, "generate", "--model", layout, *settings, "--input", str(prompts), "--batch-size",
+                        str(batch), "--max-new-tokens", str(new_tokens), "--output", str(Path(folder) / "out.jsonl"),
                         "--stats-json", str(stats)], check=True, capture_output=True)
         result = json.loads(stats.read_text())
         # Rows may all end early on an end token: count the decode steps that really ran.
@@ -85,7 +87,8 @@ def main() -> None:
             drop_page_cache()
             runs[name].append(disk_checks[name]())
         drop_page_cache()
-        runs["generate"].append(generate_step_s(args.layout, settings, args.batch_size, args.prompt_tokens, args.new_tokens, vocab))
+        runs["generate"].append(generate_step_s(args.layout, settings, args.batch_size, args.prompt_tokens,
+                                                args.new_tokens, vocab))
         drop_page_cache()
         report = zerolite_json("profile", "--model", args.layout, *settings, "--batch-size", str(args.batch_size),
                                "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens))
@@ -96,7 +99,8 @@ def main() -> None:
     table = Table(title=f"profile vs independent measurement, {args.repeat} runs each (all runs in brackets)")
     for column in ("figure", "reference", "zerolite profile", "median ratio", "best ratio"):
         table.add_column(column, justify="right")
-    for label, reference, ours, best in (("disk read GB/s", "fio", "profile --disk", max), ("decode step s", "generate", "profile", min)):
+    for label, reference, ours, best in (("disk read GB/s", "fio", "profile --disk", max),
+                                         ("decode step s", "generate", "profile", min)):
         ref, own = statistics.median(runs[reference]), statistics.median(runs[ours])
         table.add_row(label, f"{ref:.3f} ({', '.join(f'{v:.3f}' for v in runs[reference])})",
                       f"{own:.3f} ({', '.join(f'{v:.3f}' for v in runs[ours])})", f"{own / ref:.0%}",

@@ -12,8 +12,9 @@ DeepSpeed's NVMe path also needs libaio (apt-get install libaio-dev).
    registered through the driver in chunks, a refused registration leaving the next kernel
    working, every layer streamed and a mixture's experts copied apart, K/V fetched into compute's
    memory, resident quantized layers dequantised once, a self-draft's head as stored);
-2. tools/bench.py at each batch size: zerolite --offload nvme and cpu, and nvme with int8 and int4 weights, beside DeepSpeed
-   ZeRO-Inference (NVMe and CPU), on the benchmark model (built and converted if missing);
+2. tools/bench.py at each batch size: zerolite --offload nvme and cpu, and nvme with int8 and int4
+   weights, beside DeepSpeed ZeRO-Inference (NVMe and CPU), on the benchmark model (built and
+   converted if missing);
 3. `zerolite profile --offload nvme` on the same layout, at the first batch size;
 4. tools/bench_serve.py on the same layout: zerolite serve with 1 client, then 16 at once.
 
@@ -68,8 +69,8 @@ def run_step(title: str, command: list[str], timeout_s: int, env: dict[str, str]
     # contender in a process of its own, which would otherwise hold the GPU through the next step).
     # Unbuffered, so that what a step printed before it was killed still reaches the report.
     try:
-        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                   text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as e:  # the program is missing: the shell's exit status for that
         return Step(title, command, 127, "", str(e), time.perf_counter() - started)
     try:
@@ -121,7 +122,8 @@ def tests_section(step: Step) -> str:
 
 def output_section(step: Step) -> str:
     """A bench or profile run: its printed report whole, and on failure the end of its stderr."""
-    parts = [f"## {step.title}: {step.verdict}", f"`{' '.join(step.command)}` ({step.seconds:.0f} s)", fenced(step.stdout)]
+    parts = [f"## {step.title}: {step.verdict}", f"`{' '.join(step.command)}` ({step.seconds:.0f} s)",
+             fenced(step.stdout)]
     if step.returncode != 0:
         parts += [f"Last {TAIL_LINES} lines of stderr:", fenced(tail(step.stderr))]
     return "\n\n".join(parts)
@@ -161,13 +163,17 @@ def contender_list(text: str) -> list[str]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu_check_report.md"), help="where the report is written too")
-    parser.add_argument("--source", type=Path, default=Path("build/llama19/source"), help="the benchmark model (built if missing)")
-    parser.add_argument("--layout", type=Path, default=Path("build/llama19/layout"), help="its layout (converted if missing)")
+    parser.add_argument("--source", type=Path, default=Path("build/llama19/source"),
+                        help="the benchmark model (built if missing)")
+    parser.add_argument("--layout", type=Path, default=Path("build/llama19/layout"),
+                        help="its layout (converted if missing)")
     parser.add_argument("--batch-sizes", type=batch_sizes, default="32,64", help="one bench run each (default: 32,64)")
-    parser.add_argument("--new-tokens", type=whole_number(2, 4096), default="16", help="for tools/bench.py (default: 16)")
+    parser.add_argument("--new-tokens", type=whole_number(2, 4096), default="16",
+                        help="for tools/bench.py (default: 16)")
     parser.add_argument("--contenders", type=contender_list, default=DEFAULT_CONTENDERS,
                         help=f"for tools/bench.py (default: {DEFAULT_CONTENDERS})")
-    parser.add_argument("--timeout", type=whole_number(60, 86400), default="3600", help="seconds one step may take (default: 3600)")
+    parser.add_argument("--timeout", type=whole_number(60, 86400), default="3600",
+                        help="seconds one step may take (default: 3600)")
     args = parser.parse_args()
     if not args.out.resolve().parent.is_dir():
         parser.error(f"cannot write {args.out}: folder {args.out.resolve().parent} does not exist")
@@ -179,7 +185,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         sys.exit(f"gpu_check: error: no CUDA device visible to torch {torch.__version__} ({build}): "
-                 "run it on a machine with an NVIDIA GPU and a CUDA build of torch (make gpu-check TORCH=torch in a fresh clone)")
+                 "run it on a machine with an NVIDIA GPU and a CUDA build of torch "
+                 "(make gpu-check TORCH=torch in a fresh clone)")
     source, layout = args.source.resolve(), args.layout.resolve()  # the steps run from the repository root
 
     # The report is written again after each step, so that what ran survives a kill of the whole check.
@@ -205,15 +212,18 @@ def main() -> None:
                    "--timeout", str(per_contender)]
         benches.append(run_step(f"tools/bench.py, batch {batch}", command, args.timeout))
         report(output_section(benches[-1]))
-    profile = run_step("zerolite profile", [ZEROLITE, "profile", "--model", str(layout), "--offload", "nvme", "--device",
+    profile = run_step("zerolite profile",
+                       [ZEROLITE, "profile", "--model", str(layout), "--offload", "nvme", "--device",
                                             "cuda", "--batch-size", str(args.batch_sizes[0])], args.timeout)
     report(output_section(profile))
-    serve = run_step("tools/bench_serve.py", [sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--model", str(layout),
+    serve = run_step("tools/bench_serve.py",
+                     [sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--model", str(layout),
                                               "--device", "cuda", "--clients", "16"], args.timeout)
     print(report(output_section(serve)))
     steps = [tests, *benches, profile, serve]
     failed = [step.title for step in steps if step.returncode != 0]
-    print(f"gpu_check: report written to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    print(f"gpu_check: report written to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""),
+          file=sys.stderr)
     sys.exit(1 if failed else 0)
 
 

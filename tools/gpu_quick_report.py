@@ -45,11 +45,14 @@ def headline(name: str, data: dict) -> str:
             return ": " + ", ".join(f"{r['label']} {r['gbps']} GB/s" for r in data.get("rates", []))
         if name == "matmul":
             return ": " + ", ".join(f"{row['rows']} rows int4 today/fused/bf16 {row.get('int4_today_ms')}/"
-                                    f"{row.get('int4_fused_ms')}/{row.get('bf16_ms')} ms" for row in data.get("rows", []))
+                                    f"{row.get('int4_fused_ms')}/{row.get('bf16_ms')} ms"
+                                    for row in data.get("rows", []))
         if name.startswith("stream-"):
-            return ": " + ", ".join(f"batch {b}: step {r.get('median_step_s')} s" for b, r in data.get("batches", {}).items())
+            return ": " + ", ".join(f"batch {b}: step {r.get('median_step_s')} s"
+                                    for b, r in data.get("batches", {}).items())
         if name == "profile":
-            return ": " + ", ".join(f"batch {b}: copy busy {r.get('copy_busy_share')}" for b, r in data.get("batches", {}).items())
+            return ": " + ", ".join(f"batch {b}: copy busy {r.get('copy_busy_share')}"
+                                    for b, r in data.get("batches", {}).items())
         if name.startswith("tests"):
             return f": {data.get('counts')}, sanitizer findings {len(data.get('sanitizer_findings', []))}"
     return ""
@@ -121,20 +124,24 @@ def markdown(report: dict) -> str:
              + (f", took {report['seconds']} s" if "seconds" in report else "")]
 
     figures = report.get("headline") or {}
-    parts.append("## Headline\n\n" + (table(["figure", "value"], [[k, v] for k, v in figures.items()]) if figures else "nothing yet")
-                 + "\n\n(copy busy share: of the profiled decode steps' GPU time; share of link: a step's bytes over its "
-                 "time over the pinned rate at a layer's size; x vs bf16: bf16's time over the variant's, above 1 faster)")
+    parts.append("## Headline\n\n"
+                 + (table(["figure", "value"], [[k, v] for k, v in figures.items()]) if figures else "nothing yet")
+                 + "\n\n(copy busy share: of the profiled decode steps' GPU time; share of link: a step's bytes "
+                 "over its time over the pinned rate at a layer's size; x vs bf16: bf16's time over the variant's, "
+                 "above 1 faster)")
     parts.append("## Steps\n\n" + table(["step", "status", "seconds", "limit s", "error"],
-                                        [[n, s["status"], s.get("seconds"), s.get("limit_s"), s.get("error") or s.get("why")]
+                                        [[n, s["status"], s.get("seconds"), s.get("limit_s"),
+                                          s.get("error") or s.get("why")]
                                          for n, s in report["steps"].items()]))
 
     parts.append("## Machine\n\n" + table(["what", "value"], [
         ["GPU", gpu.get("name")], ["GPU memory (GiB)", gpu.get("memory_gib")], ["driver", m.get("driver")],
         ["PCIe (current / max)", m.get("pcie")], ["GPU's NUMA node", m.get("gpu_numa_node")],
-        ["NUMA nodes", m.get("numa_nodes")], ["CPUs (usable / all)", f"{m.get('cpus_usable')} / {m.get('cpus')}" if m else None],
+        ["NUMA nodes", m.get("numa_nodes")],
+        ["CPUs (usable / all)", f"{m.get('cpus_usable')} / {m.get('cpus')}" if m else None],
         ["host memory (GiB)", m.get("host_memory_gib")], ["scratch filesystem", m.get("scratch_fs")],
-        ["torch / CUDA", f"{m.get('torch')} / {m.get('cuda')}" if m else None], ["transformers", m.get("transformers")],
-        ["python", m.get("python")]]))
+        ["torch / CUDA", f"{m.get('torch')} / {m.get('cuda')}" if m else None],
+        ["transformers", m.get("transformers")], ["python", m.get("python")]]))
 
     copy = report.get("copy", {})
     parts.append("## Pinned host-to-device copies\n\n"
@@ -143,14 +150,18 @@ def markdown(report: dict) -> str:
                  + (f"256 MiB from host memory on each NUMA node (GB/s; the GPU's node: {m.get('gpu_numa_node')}): "
                     f"{copy['numa_rates']}\n\n" if copy.get("numa_rates") else "") + table(
         ["size", "MB", "GB/s", "repeats", "beside matmuls: GB/s", "matmuls covered the copies"],
-        [[r["label"], round(r["bytes"] / 1e6, 1), r.get("gbps"), r.get("repeats"), r.get("beside_gbps"), r.get("matmul_covered")]
+        [[r["label"], round(r["bytes"] / 1e6, 1), r.get("gbps"), r.get("repeats"), r.get("beside_gbps"),
+          r.get("matmul_covered")]
          for r in copy.get("rates", []) if "alone" in r["label"]]))
 
     mm = report.get("matmul", {})
-    parts.append(f"## Matmuls, weight {mm.get('in_features')} x {mm.get('out_features')} (ms per call; x: against bf16)\n\n"
-                 + table(["rows", "bf16", "int8 today", "int8 fused", "int4 today", "int4 fused", "int4 fused x", "int4 today x"],
-                         [[r["rows"], r.get("bf16_ms"), r.get("int8_today_ms"), r.get("int8_fused_ms"), r.get("int4_today_ms"),
-                           r.get("int4_fused_ms"), ratio(r.get("bf16_ms"), r.get("int4_fused_ms")),
+    parts.append(f"## Matmuls, weight {mm.get('in_features')} x {mm.get('out_features')} "
+                 "(ms per call; x: against bf16)\n\n"
+                 + table(["rows", "bf16", "int8 today", "int8 fused", "int4 today", "int4 fused", "int4 fused x",
+                          "int4 today x"],
+                         [[r["rows"], r.get("bf16_ms"), r.get("int8_today_ms"), r.get("int8_fused_ms"),
+                           r.get("int4_today_ms"), r.get("int4_fused_ms"),
+                           ratio(r.get("bf16_ms"), r.get("int4_fused_ms")),
                            ratio(r.get("bf16_ms"), r.get("int4_today_ms"))] for r in mm.get("rows", [])])
                  + "".join(f"\n\n{k}: {v}" for k, v in mm.get("errors", {}).items())
                  + (f"\n\nfused int4 against its dense weight, max relative error: {mm.get('int4_fused_max_rel_err')}"
@@ -158,20 +169,23 @@ def markdown(report: dict) -> str:
 
     f = report.get("folder", {})
     parts.append("## Model folder\n\n" + table(["what", "value"], [
-        ["layers x bytes", f"{f.get('layers')} x {f.get('layer_bytes')}" if f else None], ["GB written", gb(f.get("bytes"))],
-        ["write s (with fsync)", f.get("write_s")], ["write GB/s", f.get("write_gbps")], ["page cache dropped", f.get("cache_dropped")],
+        ["layers x bytes", f"{f.get('layers')} x {f.get('layer_bytes')}" if f else None],
+        ["GB written", gb(f.get("bytes"))], ["write s (with fsync)", f.get("write_s")],
+        ["write GB/s", f.get("write_gbps")], ["page cache dropped", f.get("cache_dropped")],
         ["disk read GB/s (a layer's shard, O_DIRECT, 256 MiB requests)", f.get("disk_gbps")],
         ["reused", f.get("reused")], ["O_DIRECT opens", f.get("direct_io")], ["in-place layout", f.get("layout")]]))
 
     rows = []
     for name, case in report["streaming"].items():
         for batch, r in case.get("batches", {}).items():
-            note = r.get("error") or r.get("skipped") or (f"{r['share_of_disk_rate']} of the disk's rate" if "share_of_disk_rate" in r else None)
-            rows.append([name, batch, r.get("median_step_s"), r.get("steps"), r.get("tokens_per_s"), gb(r.get("moved_bytes_per_step")),
-                         r.get("moved_gbps"), r.get("share_of_pinned_rate"), r.get("link_bound_step_s"), r.get("read_gb_per_forward"),
-                         note])
+            note = r.get("error") or r.get("skipped") or (f"{r['share_of_disk_rate']} of the disk's rate"
+                                                          if "share_of_disk_rate" in r else None)
+            rows.append([name, batch, r.get("median_step_s"), r.get("steps"), r.get("tokens_per_s"),
+                         gb(r.get("moved_bytes_per_step")), r.get("moved_gbps"), r.get("share_of_pinned_rate"),
+                         r.get("link_bound_step_s"), r.get("read_gb_per_forward"), note])
     parts.append(f"## Streaming in place (pinned rate {cell(report.get('pinned_gbps'))} GB/s)\n\n"
-                 + "\n".join(f"- {name}: {STREAM_CASES[name][1]}; " + plan_line(case) for name, case in report["streaming"].items())
+                 + "\n".join(f"- {name}: {STREAM_CASES[name][1]}; " + plan_line(case)
+                             for name, case in report["streaming"].items())
                  + "\n\n" + table(["case", "batch", "median step s", "steps", "tokens/s", "GB moved/step", "GB/s",
                                    "of pinned rate", "link bound s", "GB read/forward", "note"], rows))
 
@@ -180,15 +194,18 @@ def markdown(report: dict) -> str:
         ["batch", "window ms", "copy busy share", "longest copy gap ms", "copy/kernel overlap", "kernel busy share",
          "copies", "kernels", "cache tokens after", "source"],
         [[b, r.get("window_ms"), r.get("copy_busy_share"), r.get("longest_copy_gap_ms"), r.get("overlap_share"),
-          r.get("kernel_busy_share"), r.get("copies"), r.get("kernels"), r.get("cache_tokens"), r.get("source")] for b, r in prof.get("batches", {}).items()])
+          r.get("kernel_busy_share"), r.get("copies"), r.get("kernels"), r.get("cache_tokens"), r.get("source")]
+         for b, r in prof.get("batches", {}).items()])
         + (f"\n\n{prof['note']}" if prof.get("note") else ""))
 
     tests = report.get("tests", {})
     lines = []
     for name, t in tests.items():
         lines.append(f"- {name}: `{t.get('command')}`: {t.get('counts') or 'no test ran'}"
-                     + (" (stopped before pytest's summary: counted from its lines)" if t.get("partial") else "") + "; "
-                     + (f"sanitizer findings: {len(t.get('sanitizer_findings', []))}" if t.get("sanitizer") else "no sanitizer"))
+                     + (" (stopped before pytest's summary: counted from its lines)" if t.get("partial") else "")
+                     + "; "
+                     + (f"sanitizer findings: {len(t.get('sanitizer_findings', []))}" if t.get("sanitizer")
+                        else "no sanitizer"))
         lines += [f"  - {line}" for line in t.get("failed", [])]
         lines += ["```\n" + finding + "\n```" for finding in t.get("sanitizer_findings", [])[:5]]
     parts.append("## CUDA tests (real device only)\n\n" + ("\n".join(lines) or "not run"))
@@ -208,5 +225,6 @@ def plan_line(case: dict) -> str:
     plan = case.get("plan")
     if not plan:
         return case.get("error", "not run")
-    return (f"resident layers {plan['resident_layers']}, streamed {plan['streamed']}, of them from disk {plan['on_disk']}; "
+    return (f"resident layers {plan['resident_layers']}, streamed {plan['streamed']}, "
+            f"of them from disk {plan['on_disk']}; "
             f"ring {plan['prefetch_depth']}, engine {plan.get('io_backend')}; load {case.get('load_s')} s")

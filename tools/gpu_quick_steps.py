@@ -1,6 +1,6 @@
 """tools/gpu_quick.py's shapes and its first steps, each run in a process of its own (Child): the
 machine, pinned host-to-device copies, int4/int8/bf16 matmuls, the model folder. On a GPU they use
-zerolite's CudaDevice; in a dry run the simulated device (tests/simulated_device.py) and tiny shapes.
+zerolite's CudaDevice; in a dry run the simulated device (tests/support/simulated_device.py) and tiny shapes.
 Each step saves its figures as it gets them (Child.save), so that a kill leaves what was measured."""
 
 from __future__ import annotations
@@ -52,8 +52,13 @@ class Shapes:
         return 2 * self.layer_params  # bf16
 
     def kv_bytes_per_token(self) -> int:
-        """One token's K and V in one layer, bf16."""
-        return 2 * self.kv_heads * self.head_dim * 2
+        """One token's K and V in one layer, bf16: zerolite.memory_model's count, over the layers."""
+        import torch
+        from transformers import LlamaConfig
+
+        from zerolite.memory_model import kv_bytes_per_token
+
+        return kv_bytes_per_token(LlamaConfig(**llama_config(self)), torch.bfloat16) // self.layers
 
 
 REAL = Shapes(hidden=8192, intermediate=28672, heads=64, kv_heads=8, layers=8, vocab=4096,
@@ -78,7 +83,8 @@ STREAM_CASES = {
     "pinned": (dict(offload="cpu", gpu_memory=0), "every layer streamed from pinned host memory"),
     "resident": (dict(offload="cpu"), "4 layers resident on the device, 4 streamed from pinned host memory"),
     "disk": (dict(offload="nvme", cpu_memory=0, gpu_memory=0), "every layer read from disk, nothing held"),
-    "kv": (dict(offload="cpu", gpu_memory=0, kv_offload=0.5), "every layer streamed from pinned memory, half the layers' K/V in host memory, a long prompt"),
+    "kv": (dict(offload="cpu", gpu_memory=0, kv_offload=0.5),
+           "every layer streamed from pinned memory, half the layers' K/V in host memory, a long prompt"),
 }
 
 
@@ -95,7 +101,8 @@ def filesystem_type(path: Path) -> str | None:
         real = str(path.resolve())
         for line in Path("/proc/mounts").read_text().splitlines():
             parts = line.split()
-            if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) and len(parts[1]) >= len(best):
+            if (len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/"))
+                    and len(parts[1]) >= len(best)):
                 best, kind = parts[1], parts[2]
     return kind
 
@@ -129,11 +136,11 @@ class Child:
 
     @property
     def device(self):
-        """A zerolite Device: the GPU, or in a dry run the simulated one (tests/simulated_device.py)."""
+        """A zerolite Device: the GPU, or in a dry run the simulated one (tests/support/simulated_device.py)."""
         if self._device is None:
             if self.dry:
                 sys.path.insert(0, str(ROOT / "tests"))
-                from simulated_device import SimulatedDevice
+                from support.simulated_device import SimulatedDevice
 
                 self._device = SimulatedDevice(seed=0, memory_bytes=4 << 30)
             else:
@@ -185,8 +192,8 @@ def step_machine(c: Child) -> None:
     c.save(torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__)
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        c.save(gpu={"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "capability": f"{p.major}.{p.minor}",
-                    "multiprocessors": p.multi_processor_count})
+        c.save(gpu={"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                    "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count})
     else:
         c.save(gpu={"name": "simulated device" if c.dry else None, "memory_gib": None})
 
@@ -242,10 +249,12 @@ def step_copy(c: Child) -> None:
                 device.copy(target, host, stream)
 
         covered, beside = beside_matmuls(c, device, stream, copies, seconds[0] * 1.5, weight, activations)
-        result.update(beside_gbps=round(nbytes * repeats / beside / 1e9, 3), beside_seconds=beside, matmul_covered=covered)
+        result.update(beside_gbps=round(nbytes * repeats / beside / 1e9, 3), beside_seconds=beside,
+                      matmul_covered=covered)
         c.save(rates=rates)
         if not c.dry:  # an idle GPU's link may have stepped down to a lower generation when the machine step read it
-            c.save(pcie_after_copies=run_quietly(["nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.width.current",
+            c.save(pcie_after_copies=run_quietly(["nvidia-smi",
+                                                  "--query-gpu=pcie.link.gen.current,pcie.link.width.current",
                                                   "--format=csv,noheader"]))
         del host, target
     device.synchronize()
@@ -266,7 +275,8 @@ def cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def numa_copy_rates(device, stream, nodes_dir: Path = Path("/sys/devices/system/node"), nbytes: int = 256 * MiB) -> dict:
+def numa_copy_rates(device, stream, nodes_dir: Path = Path("/sys/devices/system/node"),
+                    nbytes: int = 256 * MiB) -> dict:
     """Where the machine has several NUMA nodes: the pinned rate from host memory on each (pages are
     placed where the thread that pins them, and so first touches them, runs)."""
     nodes = {}
@@ -308,8 +318,8 @@ def beside_matmuls(c: Child, device, stream, copies, span_s: float, weight, acti
 
     if c.dry:  # the simulated device's compute runs on the calling thread: matmuls on a thread of their own
         stop = threading.Event()
-        thread = threading.Thread(target=lambda: [F.linear(activations, weight) for _ in iter(lambda: stop.is_set(), True)],
-                                  daemon=True)
+        thread = threading.Thread(
+            target=lambda: [F.linear(activations, weight) for _ in iter(lambda: stop.is_set(), True)], daemon=True)
         thread.start()
         seconds: list[float] = []
         with Clock(device, stream).time(seconds):
@@ -379,7 +389,8 @@ def step_matmul(c: Child) -> None:
         else:
             packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 8)
             fused4 = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed4, group, scale_zero)  # noqa: E731
-        reference = ((q.to(torch.bfloat16) - 8).reshape(n, k // group, group) * scale[..., None] + zero[..., None]).reshape(n, k)
+        reference = ((q.to(torch.bfloat16) - 8).reshape(n, k // group, group) * scale[..., None]
+                     + zero[..., None]).reshape(n, k)
         x = torch.randn(16, k, device=on, dtype=torch.bfloat16, generator=generator)
         want, got = F.linear(x, reference).float(), fused4(x).float()
         c.save(int4_fused_max_rel_err=round(float((want - got).abs().max() / want.abs().max()), 5))
@@ -411,7 +422,8 @@ def step_matmul(c: Child) -> None:
                 result[f"{name}_ms"] = round(seconds[0] / iterations * 1e3, 4)
             except Exception as e:
                 errors.setdefault(name, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-        weight_bytes = {"bf16": 2 * n * k, "int8_today": n * k, "int8_fused": n * k, "int4_today": n * k // 2, "int4_fused": n * k // 2}
+        weight_bytes = {"bf16": 2 * n * k, "int8_today": n * k, "int8_fused": n * k, "int4_today": n * k // 2,
+                        "int4_fused": n * k // 2}
         for name, nbytes in weight_bytes.items():
             if result.get(f"{name}_ms"):
                 result[f"{name}_weight_gbps"] = round(nbytes / (result[f"{name}_ms"] / 1e3) / 1e9, 1)
@@ -444,7 +456,8 @@ def layer_tensors(s: Shapes, i: int) -> list[tuple[str, tuple[int, ...]]]:
                    (p + "mlp.down_proj.weight", (h, s.intermediate))])
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], pattern: memoryview, norms: memoryview) -> int:
+def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], pattern: memoryview,
+                      norms: memoryview) -> int:
     """A bf16 safetensors file of these tensors: matrices filled from pattern (small random values,
     repeated), norm weights with ones; fsynced. Returns its bytes."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -518,24 +531,28 @@ def step_folder(c: Child) -> None:
     marker = source / ".complete"
     shards = {f"model-{i + 1:05d}-of-{s.layers + 1:05d}.safetensors": layer_tensors(s, i) for i in range(s.layers)}
     shards[f"model-{s.layers + 1:05d}-of-{s.layers + 1:05d}.safetensors"] = [
-        ("lm_head.weight", (s.vocab, s.hidden)), ("model.embed_tokens.weight", (s.vocab, s.hidden)), ("model.norm.weight", (s.hidden,))]
+        ("lm_head.weight", (s.vocab, s.hidden)), ("model.embed_tokens.weight", (s.vocab, s.hidden)),
+        ("model.norm.weight", (s.hidden,))]
     reused = marker.is_file() and json.loads(marker.read_text()) == config
     c.save(source=str(source), layers=s.layers, layer_bytes=s.layer_bytes, reused=reused)
     if not reused:
         shutil.rmtree(source, ignore_errors=True)
         source.mkdir(parents=True)
         (source / "config.json").write_text(json.dumps(config, indent=1))
-        (source / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
+        (source / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+                                                                   "pad_token_id": 0}))
         weight_map = {name: shard for shard, tensors in shards.items() for name, _ in tensors}
         pattern = memoryview((torch.randn(32 * MiB // 2, generator=torch.Generator().manual_seed(0)) * 0.02)
                              .to(torch.bfloat16).view(torch.uint8).numpy().tobytes())
         norms = memoryview(torch.ones(max(s.hidden, 4096), dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # writes release the GIL: one file per writer
-            sizes = list(pool.map(lambda item: write_safetensors(source / item[0], item[1], pattern, norms), shards.items()))
+            sizes = list(pool.map(lambda item: write_safetensors(source / item[0], item[1], pattern, norms),
+                                  shards.items()))
         write_s = time.perf_counter() - started
         total = sum(sizes)
-        (source / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+        (source / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                         "weight_map": weight_map}))
         marker.write_text(json.dumps(config))
         c.save(bytes=total, write_s=round(write_s, 2), write_gbps=round(total / write_s / 1e9, 3))
     else:
@@ -550,7 +567,8 @@ def step_folder(c: Child) -> None:
     folder = ensure_layout(str(source), c.scratch / "layouts", None, False, False)
     manifest = Layout.open(folder).manifest
     layers = set(manifest.layer_names)
-    c.save(layout=str(folder), in_place=bool(manifest.in_place), plan_in_place_s=round(time.perf_counter() - started, 2),
+    c.save(layout=str(folder), in_place=bool(manifest.in_place),
+           plan_in_place_s=round(time.perf_counter() - started, 2),
            block_bytes={b.name: b.length for b in manifest.blocks},
            always_bytes=manifest.nbytes(b.name for b in manifest.blocks if b.name not in layers),
            widest_layer_bytes=max(manifest.block(name).length for name in layers))

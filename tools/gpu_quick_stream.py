@@ -33,7 +33,8 @@ def stream_case(c: Child, case: str) -> None:
     s = c.shapes
     policy = dict(STREAM_CASES[case][0])
     if case == "resident":  # the head, embeddings and norm always resident, then 4 layers
-        policy["gpu_memory"] = folder["always_bytes"] + 4 * folder["widest_layer_bytes"] + folder["widest_layer_bytes"] // 2
+        policy["gpu_memory"] = (folder["always_bytes"] + 4 * folder["widest_layer_bytes"]
+                                + folder["widest_layer_bytes"] // 2)
     new_tokens = s.disk_new_tokens if case == "disk" else s.new_tokens
     prompt = s.kv_prompt if case == "kv" else s.prompt
     if case == "disk":
@@ -49,6 +50,36 @@ def stream_case(c: Child, case: str) -> None:
     streamed_bytes = sum(blocks[name] for name in lm.plan.streamed)
     c.save(load_s=round(time.perf_counter() - started, 2), plan=plan, streamed_bytes=streamed_bytes)
     batches: dict = {}
+
+    def recorder(batch: int, read_before: int, began: float):
+        """A StepClock for one batch, and the record it calls after each step."""
+
+        def record(done: bool) -> None:
+            """The batch's figures so far, saved after a slow step too (a second or more: from disk), so that
+            a kill mid-batch leaves its steps; saving after a fast one would add to the next step's time."""
+            if not done and (len(clock.times) < 2 or clock.times[-1] - clock.times[-2] < 1.0):
+                return
+            steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+            median = statistics.median(steps) if steps else None
+            forwards = max(len(clock.times) - 1, 1)
+            kv_bytes = 0
+            if policy.get("kv_offload"):  # the host layers' K/V crosses the link at every step (an estimate)
+                seq = prompt + new_tokens // 2
+                kv_bytes = int(policy["kv_offload"] * s.layers) * batch * seq * s.kv_bytes_per_token()
+            batches[str(batch)] = {
+                "median_step_s": round(median, 5) if median else None, "steps": len(steps),
+                "step_s": [round(x, 5) for x in steps], "prefill_s": round(clock.prefill_s, 4),
+                "tokens_per_s": round(batch / median, 2) if median else None,
+                "generate_s": round(time.perf_counter() - began, 2), "weight_bytes_per_step": streamed_bytes,
+                "kv_bytes_per_step_estimate": kv_bytes, "moved_bytes_per_step": streamed_bytes + kv_bytes,
+                "read_gb_per_forward": round((lm.bytes_read - read_before) / forwards / 1e9, 3),
+                **({} if done else {"partial": True}),
+            }
+            c.save(batches=batches)
+
+        clock = StepClock(lambda rows: record(False))
+        return clock, record
+
     previous_s = 0.0
     try:
         for batch in s.batches:
@@ -57,39 +88,15 @@ def stream_case(c: Child, case: str) -> None:
                 c.save(batches=batches)
                 continue
             ids = prompts(s.vocab, batch, prompt)
-            read_before = lm.bytes_read
             began = time.perf_counter()
-
-            def record(done: bool) -> None:
-                """The batch's figures so far, saved after a slow step too (a second or more: from disk), so that
-                a kill mid-batch leaves its steps; saving after a fast one would add to the next step's time."""
-                if not done and (len(clock.times) < 2 or clock.times[-1] - clock.times[-2] < 1.0):
-                    return
-                steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
-                median = statistics.median(steps) if steps else None
-                forwards = max(len(clock.times) - 1, 1)
-                kv_bytes = 0
-                if policy.get("kv_offload"):  # the host layers' K/V crosses the link at every step (an estimate)
-                    seq = prompt + new_tokens // 2
-                    kv_bytes = int(policy["kv_offload"] * s.layers) * batch * seq * s.kv_bytes_per_token()
-                batches[str(batch)] = {
-                    "median_step_s": round(median, 5) if median else None, "steps": len(steps),
-                    "step_s": [round(x, 5) for x in steps], "prefill_s": round(clock.prefill_s, 4),
-                    "tokens_per_s": round(batch / median, 2) if median else None,
-                    "generate_s": round(time.perf_counter() - began, 2), "weight_bytes_per_step": streamed_bytes,
-                    "kv_bytes_per_step_estimate": kv_bytes, "moved_bytes_per_step": streamed_bytes + kv_bytes,
-                    "read_gb_per_forward": round((lm.bytes_read - read_before) / forwards / 1e9, 3),
-                    **({} if done else {"partial": True}),
-                }
-                c.save(batches=batches)
-
-            clock = StepClock(lambda rows: record(False))
+            clock, record = recorder(batch, lm.bytes_read, began)
             try:
                 with torch.no_grad():
                     lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
             except Exception as e:
-                batches[str(batch)] = {**batches.get(str(batch), {}), "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+                batches[str(batch)] = {**batches.get(str(batch), {}),
+                                       "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
                 c.save(batches=batches)
                 continue
             previous_s = time.perf_counter() - began
@@ -166,10 +173,12 @@ def summarize(intervals: list[tuple[str, object, float, float]], unit_s: float =
     busy = length(copies)
     ms = unit_s * 1e3
     return {"window_ms": round(window * ms, 3), "copy_stream": str(copy_stream),
-            "copy_busy_share": round(busy / window, 4), "longest_copy_gap_ms": round(max(gaps) * ms, 3) if gaps else None,
+            "copy_busy_share": round(busy / window, 4),
+            "longest_copy_gap_ms": round(max(gaps) * ms, 3) if gaps else None,
             "overlap_share": round(intersect(copies, kernels) / busy, 4) if busy else None,
             "kernel_busy_share": round(length(kernels) / window, 4),
-            "copies": sum(1 for kind, *_ in intervals if kind == "copy"), "kernels": sum(1 for kind, *_ in intervals if kind == "kernel")}
+            "copies": sum(1 for kind, *_ in intervals if kind == "copy"),
+            "kernels": sum(1 for kind, *_ in intervals if kind == "kernel")}
 
 
 @contextlib.contextmanager
@@ -246,7 +255,8 @@ def step_profile(c: Child) -> None:
             prof.export_chrome_trace(str(trace_path))
             trace = json.loads(trace_path.read_text())
             if c.dry:
-                result = {**summarize(simulated, unit_s=1.0), "source": "simulated device (copy landings, compute's operations)"}
+                result = {**summarize(simulated, unit_s=1.0),
+                          "source": "simulated device (copy landings, compute's operations)"}
             else:
                 result = {**summarize(intervals_from_trace(trace)), "source": "torch.profiler (CUDA)"}
             # The decode steps ran on the cache: the prompt and the two tokens (one would mean each step began anew).

@@ -3,7 +3,7 @@
     make_model(Path("build/llama19/source"), "llama", dict(hidden_size=2048, ...),
                {Path("build/llama19/layout"): {}, Path("build/llama19/layout-int8"): {"weights": "int8"}})
 
-Not tests/tiny_models.py's: those are tiny float32 models with weights scaled so that tests see
+Not tests/support/tiny_models.py's: those are tiny float32 models with weights scaled so that tests see
 varied tokens; a benchmark wants a model of a real size, in bf16, and only its bytes matter.
 """
 
@@ -25,7 +25,8 @@ def make_model(source: Path, model_type: str, config: dict, layouts: dict[Path, 
 
     if not (source / "config.json").is_file():
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.bfloat16).save_pretrained(source)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config),
+                                         dtype=torch.bfloat16).save_pretrained(source)
     for layout, convert_args in layouts.items():
         if not (layout / MANIFEST).is_file():
             convert(str(source), layout, **convert_args)

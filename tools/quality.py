@@ -68,7 +68,8 @@ def parse_variants(weights: str) -> list[Variant]:
         elif group:
             variants.append(Variant(name, {"weights": "int4", "group_size": int(group[1])}))
         else:
-            raise argparse.ArgumentTypeError(f"unknown weight scheme {name!r}: use int8 or int4-gNN (int4-g32, int4-g64, ...)")
+            raise argparse.ArgumentTypeError(f"unknown weight scheme {name!r}: "
+                                             "use int8 or int4-gNN (int4-g32, int4-g64, ...)")
     return variants
 
 
@@ -112,7 +113,8 @@ def timed_score(model, ids, label: str) -> tuple[Score, float]:
     return score, time.perf_counter() - started
 
 
-def score_variants(variants: list[Variant], base_folder: Path, model: str, root: Path, dtype: str | None, ids) -> list[dict]:
+def score_variants(variants: list[Variant], base_folder: Path, model: str, root: Path,
+                   dtype: str | None, ids) -> list[dict]:
     rows = []
     for variant in variants:
         folder = base_folder if variant.name == "base" else convert_variant(variant, model, root, dtype)
@@ -134,7 +136,8 @@ def report(console: Console, rows: list[dict]) -> None:
     for row in rows:
         layers = f"{row['layer_bytes']:,} B" if "layer_bytes" in row else "-"
         if row["available"]:
-            table.add_row(row["variant"], layers, f"{row['perplexity']:.3f}", f"{row['change_pct']:+.2f}%", f"{row['score_s']:.1f} s")
+            table.add_row(row["variant"], layers, f"{row['perplexity']:.3f}", f"{row['change_pct']:+.2f}%",
+                          f"{row['score_s']:.1f} s")
         else:
             table.add_row(row["variant"], layers, UNAVAILABLE, "-", "-")
     console.print(table)
@@ -146,13 +149,17 @@ def report(console: Console, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", type=parse_variants, default=parse_variants(DEFAULT_WEIGHTS),
-                        help=f"weight schemes beside the base, a comma list (default {DEFAULT_WEIGHTS}; '' for the base alone)")
+                        help="weight schemes beside the base, a comma list "
+                        f"(default {DEFAULT_WEIGHTS}; '' for the base alone)")
     parser.add_argument("--tokens", type=int, default=4096, help="how many tokens of the text to score")
     parser.add_argument("--reference", action="store_true", help="score the base with transformers alone too")
-    parser.add_argument("--path", type=Path, default=None, help="where the variants' layouts go (default: zerolite's cache dir/quality)")
+    parser.add_argument("--path", type=Path, default=None,
+                        help="where the variants' layouts go (default: zerolite's cache dir/quality)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
-    parser.add_argument("--model", default=None, help="what to convert (default: the built-in SmolLM2-135M-Instruct GGUF)")
-    parser.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="the layouts' dtype (default: the model's)")
+    parser.add_argument("--model", default=None,
+                        help="what to convert (default: the built-in SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                        help="the layouts' dtype (default: the model's)")
     args = parser.parse_args()
     quiet_transformers()
     console = Console(width=None if sys.stdout.isatty() else 160)  # the table stays whole in a log
@@ -169,7 +176,8 @@ def main() -> None:
     ids = corpus_ids(tokenizer, args.tokens)
     dtype = Layout.open(base_folder).manifest.dtype
     window = context_window(AutoConfig.from_pretrained(base_folder)) or args.tokens
-    console.print(f"{Path(model).name}: {args.tokens} tokens of pydoc_data.topics (Python {platform.python_version()}), "
+    console.print(f"{Path(model).name}: {args.tokens} tokens of pydoc_data.topics "
+                  f"(Python {platform.python_version()}), "
                   f"{'one window' if args.tokens <= window else f'windows of {window} tokens'}, computed in {dtype}",
                   highlight=False)
 
@@ -184,9 +192,10 @@ def main() -> None:
 
     report(console, rows)
     if args.json:
-        figures = {"model": model, "python": platform.python_version(), "text": "pydoc_data.topics, sorted keys, joined by a blank line",
-                   "tokens": args.tokens, "window": window, "dtype": dtype,
-                   "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(), "variants": rows}
+        figures = {"model": model, "python": platform.python_version(),
+                   "text": "pydoc_data.topics, sorted keys, joined by a blank line", "tokens": args.tokens,
+                   "window": window, "dtype": dtype, "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+                   "variants": rows}
         args.json.write_text(json.dumps(figures, indent=2))
 
 

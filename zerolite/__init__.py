@@ -3,7 +3,8 @@
     import zerolite
     lm = zerolite.load("/nvme/bloom", offload="nvme")
     out = lm.generate(**lm.tokenizer(prompts, return_tensors="pt", padding=True), max_new_tokens=100)
-    zerolite.generate_file(lm, "prompts.jsonl", "out.jsonl", zerolite.Sampling(max_new_tokens=64))  # every rank, under torchrun
+    # every rank calls generate_file alike, under torchrun
+    zerolite.generate_file(lm, "prompts.jsonl", "out.jsonl", zerolite.Sampling(max_new_tokens=64))
 """
 
 from zerolite.openmp import prefer_passive_waits

@@ -166,8 +166,8 @@ def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> No
     name = model_class.__name__ if model_class is not None else type(config).__name__
     if model_class is not None and not model_class._supports_default_dynamic_cache():
         if kv_offload:
-            raise ZeroliteError(f"{name} keeps its cache in a class of its own, which `kv_offload` cannot split between "
-                                "device and host memory: leave out `kv_offload`")
+            raise ZeroliteError(f"{name} keeps its cache in a class of its own, which `kv_offload` cannot split "
+                                "between device and host memory: leave out `kv_offload`")
         raise ZeroliteError(f"{name} keeps its cache in a class of its own, which speculative decoding cannot rewind: "
                             "leave out `draft`")
     if draft:
@@ -176,6 +176,6 @@ def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> No
             raise ZeroliteError(f"{name} has layers that carry a recurrent state, which speculative decoding cannot "
                                 "rewind past the guesses it rejects: leave out `draft`")
         if not sliding_cache_rewinds() and any(getattr(layer, "is_sliding", False) for layer in layers):
-            raise ZeroliteError(f"{name} has sliding-window layers, whose cache transformers {transformers.__version__} "
-                                "cannot rewind past rejected guesses: upgrade it (pip install 'transformers>=5.18'), "
-                                "or leave out `draft`")
+            raise ZeroliteError(f"{name} has sliding-window layers, whose cache transformers "
+                                f"{transformers.__version__} cannot rewind past rejected guesses: upgrade it "
+                                "(pip install 'transformers>=5.18'), or leave out `draft`")

@@ -22,14 +22,16 @@ class Sampling:
     top_k: int = 0                  # 0: every token (top_p alone narrows them)
     presence_penalty: float = 0.0   # the server's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # the server's: subtracted per time a token was generated
-    seed: int | None = None         # generate: set before every batch, so a batch's tokens do not depend on the ones before
+    seed: int | None = None         # generate: set before every batch, so a batch's tokens do not depend on the
+                                    # ones before
     chat: bool = False              # generate: wrap each prompt in the tokenizer's chat template
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ZeroliteError(f"`max_new_tokens` must be at least 1, got {self.max_new_tokens}")
         if self.sample and not self.temperature > 0:
-            raise ZeroliteError(f"`temperature` must be above 0, got {self.temperature}: for greedy decoding leave out `sample`")
+            raise ZeroliteError(f"`temperature` must be above 0, got {self.temperature}: "
+                                "for greedy decoding leave out `sample`")
         if not 0 < self.top_p <= 1:
             raise ZeroliteError(f"`top_p` must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -15,17 +15,21 @@ from zerolite.progress import stderr
 
 @app.command()
 def convert(
-    path: Annotated[Path, typer.Option("--path", help="Folder to write the layout into: a new or empty one, or a layout to bring up to date.")],
+    path: Annotated[Path, typer.Option(
+        "--path", help="Folder to write the layout into: a new or empty one, or a layout to bring up to date.")],
     model: Annotated[
         str | None,
-        typer.Argument(help="Model folder, .gguf file, or hub id in the local cache (default: the built-in SmolLM2-135M-Instruct)."),
+        typer.Argument(help="Model folder, .gguf file, or hub id in the local cache "
+                       "(default: the built-in SmolLM2-135M-Instruct)."),
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the config's dtype).")] = None,
-    weights: Annotated[str | None, typer.Option(help="int8 or int4: the decoder layers' Linear weights quantized, about "
-                                                     "0.5x (int8, one scale per output channel) or 0.28x (int4, a scale "
-                                                     "and zero point per group) of bf16's bytes per step (default: the layout's dtype).")] = None,
-    group_size: Annotated[int | None, typer.Option("--group-size", help="int4: input weights per scale and zero point, 32, "
-                                                   "64 or 128 (default 64; 32 keeps a GGUF Q4_0/Q4_1 source's values).")] = None,
+    weights: Annotated[str | None, typer.Option(
+        help="int8 or int4: the decoder layers' Linear weights quantized, about 0.5x (int8, one scale per output "
+        "channel) or 0.28x (int4, a scale and zero point per group) of bf16's bytes per step (default: the layout's "
+        "dtype).")] = None,
+    group_size: Annotated[int | None, typer.Option(
+        "--group-size", help="int4: input weights per scale and zero point, 32, 64 or 128 (default 64; 32 keeps a GGUF "
+        "Q4_0/Q4_1 source's values).")] = None,
     allow_pickle: options.AllowPickle = False,
 ) -> None:
     """Convert a checkpoint into an aligned layout that zerolite streams at full disk speed."""
@@ -77,7 +81,8 @@ def verify_layout(
         from zerolite.convert.in_place import record_checksums
 
         record_checksums(layout)
-        typer.echo(f"checksums of {len(layout.manifest.blocks)} blocks recorded in {path}: later runs check every block they read")
+        typer.echo(f"checksums of {len(layout.manifest.blocks)} blocks recorded in {path}: "
+                   "later runs check every block they read")
         return
     check_blocks(layout)
 

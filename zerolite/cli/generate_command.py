@@ -46,6 +46,7 @@ def generate(
     from zerolite.generate.job import open_job
     from zerolite.generate.prompts import prompts_from_arguments, read_prompts
     from zerolite.generate.run import check_work, generate_all
+    from zerolite.runtime.batching import decide_batch_size
     from zerolite.sampling import Sampling
 
     world = start_world({k: v for k, v in given.items() if k not in RANK_ZEROS_OWN})
@@ -78,12 +79,14 @@ def generate(
             if world.leads:
                 stderr.print(f"every prompt already has its completion in {output}: nothing to do")
             return
-        batch = 1 if draft is not None else options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+        asked = options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+        batch = decide_batch_size(asked, drafting=draft is not None)
         if batch is not None:  # before minutes of loading (auto sizes are checked once known)
             world.run_on_all(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
-        chosen_batch, planned = None, None
+        planned_batch, planned = None, None
         if world.size == 1 and draft is None and spec.offload == "nvme" and None in (batch, spec.cpu_memory, spec.prefetch_depth):
-            chosen_batch, spec, planned = plan_the_job(spec, [p for p in todo if p.id not in done], max_new_tokens, batch)
+            left = [p for p in todo if p.id not in done]
+            planned_batch, spec, planned = plan_the_job(spec, left, max_new_tokens, batch)
         lm = stack.enter_context(options.load_model(spec, world=world))
 
         def show(batch) -> None:
@@ -100,7 +103,7 @@ def generate(
                     stderr.print(f"[dim]{planned}[/dim]", highlight=False, soft_wrap=True)
                 show_plan(lm, size, tokens, chosen=batch is None)
 
-        stats = generate_all(lm, todo, sampling(), batch, show, done=done, batch_cap=chosen_batch, on_start=start)
+        stats = generate_all(lm, todo, sampling(), batch, show, done=done, planned_batch=planned_batch, on_start=start)
     if not world.leads:
         return
     if stats_json is not None:

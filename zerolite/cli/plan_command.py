@@ -17,32 +17,47 @@ def rate_option(flag: str, help: str):
     return Annotated[str | None, typer.Option(flag, help=help, show_default=False)]
 
 
-DiskGbps = rate_option("--disk-gbps", "The disk's read rate, as 5.6GB/s (default: as zerolite profile last measured it here).")
+DiskGbps = rate_option(
+    "--disk-gbps", "The disk's read rate, as 5.6GB/s (default: as zerolite profile last measured it here).")
 H2dGbps = rate_option("--h2d-gbps", "Host-to-GPU copies, as 25GB/s (default: measured here).")
-GpuTflops = rate_option("--gpu-tflops", "The GPU's dense matmul rate in its dtype, as 77TFLOPS (default: this machine's, measured).")
+GpuTflops = rate_option(
+    "--gpu-tflops", "The GPU's dense matmul rate in its dtype, as 77TFLOPS (default: this machine's, measured).")
 
 
 @app.command()
 def plan(
     model: Model = None,
     path: LayoutPath = None,
-    device: Annotated[str, typer.Option(help="Plan for this machine's cuda or cpu (auto: cuda when available); "
-                                        "a machine described by the flags below has a GPU when given --gpu-ram or --gpu-tflops.")] = "auto",
-    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32: the precision stored weights run in (default: the config's).")] = None,
+    device: Annotated[str, typer.Option(
+        help="Plan for this machine's cuda or cpu (auto: cuda when available); a machine described by the flags below "
+        "has a GPU when given --gpu-ram or --gpu-tflops.")] = "auto",
+    dtype: Annotated[str | None, typer.Option(
+        help="bf16, fp16 or fp32: the precision stored weights run in (default: the config's).")] = None,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Tokens in each prompt.")] = 128,
     new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
-    prompts: Annotated[int | None, typer.Option(min=1, help="Prompts in the job (default: one batch's): filling memory is paid once per job.", show_default=False)] = None,
-    latency: Annotated[bool, typer.Option("--latency", help="Optimise each prompt's time, not tokens per second (batch 1).")] = False,
+    prompts: Annotated[int | None, typer.Option(
+        min=1, help="Prompts in the job (default: one batch's): filling memory is paid once per job.",
+        show_default=False)] = None,
+    latency: Annotated[bool, typer.Option(
+        "--latency", help="Optimise each prompt's time, not tokens per second (batch 1).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the chosen plan as one JSON object.")] = False,
     batch_size: Annotated[str, typer.Option(help="Pin the batch size, or auto to search it.")] = "auto",
-    weights: Annotated[str | None, typer.Option(help="Pin the weight format: stored (the checkpoint's precision), int8 or int4.", show_default=False)] = None,
-    offload: Annotated[str | None, typer.Option(help="Pin where layers live: nvme (host memory, then disk), cpu (all in host memory) or none (all resident).", show_default=False)] = None,
-    kv_offload: Annotated[float | None, typer.Option("--kv-offload", help="Pin the share of layers whose K/V cache lives in host memory (GPU).", show_default=False)] = None,
-    prefetch_depth: Annotated[int | None, typer.Option(min=1, help="Pin the slots in the ring.", show_default=False)] = None,
+    weights: Annotated[str | None, typer.Option(
+        help="Pin the weight format: stored (the checkpoint's precision), int8 or int4.", show_default=False)] = None,
+    offload: Annotated[str | None, typer.Option(
+        help="Pin where layers live: nvme (host memory, then disk), cpu (all in host memory) or none (all resident).",
+        show_default=False)] = None,
+    kv_offload: Annotated[float | None, typer.Option(
+        "--kv-offload", help="Pin the share of layers whose K/V cache lives in host memory (GPU).",
+        show_default=False)] = None,
+    prefetch_depth: Annotated[int | None, typer.Option(
+        min=1, help="Pin the slots in the ring.", show_default=False)] = None,
     cpu_memory: CpuMemory = None,
     gpu_memory: GpuMemory = None,
-    host_ram: Annotated[str | None, typer.Option("--host-ram", help="Describe another machine: its host memory, as 252GB.", show_default=False)] = None,
-    gpu_ram: Annotated[str | None, typer.Option("--gpu-ram", help="Describe another machine: its GPU's memory, as 48GB.", show_default=False)] = None,
+    host_ram: Annotated[str | None, typer.Option(
+        "--host-ram", help="Describe another machine: its host memory, as 252GB.", show_default=False)] = None,
+    gpu_ram: Annotated[str | None, typer.Option(
+        "--gpu-ram", help="Describe another machine: its GPU's memory, as 48GB.", show_default=False)] = None,
     disk_gbps: DiskGbps = None,
     h2d_gbps: H2dGbps = None,
     gpu_tflops: GpuTflops = None,
@@ -126,7 +141,8 @@ def plan_dict(best, costs, hardware, command: list[str]) -> dict:
     c = best.candidate
     return {
         "model": costs.name, "batch_size": c.batch_size, "weights": c.weights, "kv_offload": c.kv_offload,
-        "gpu_layers": c.gpu_layers, "host_layers": c.host_layers, "disk_layers": costs.layers - c.gpu_layers - c.host_layers,
+        "gpu_layers": c.gpu_layers, "host_layers": c.host_layers,
+        "disk_layers": costs.layers - c.gpu_layers - c.host_layers,
         "prefetch_depth": c.prefetch_depth, "cpu_memory": best.cpu_memory, "gpu_memory": best.gpu_memory,
         "prefill_s": round(best.prefill_s, 4), "decode_step_s": round(best.decode_step_s, 4),
         "disk_s": round(best.disk_s, 4), "copy_s": round(best.copy_s, 4), "compute_s": round(best.compute_s, 4),
@@ -148,19 +164,21 @@ def show(costs, hardware, job, choice, command: list[str]) -> None:
     fmt = costs.formats[c.weights]
     disk_layers = costs.layers - c.gpu_layers - c.host_layers
     stored = costs.formats["stored"]
-    out.print(f"[bold]{costs.name}[/bold]: {costs.layers} layers, {(stored.always_bytes + costs.layers * stored.layer_bytes) / 1e9:.1f} GB "
+    stored_bytes = stored.always_bytes + costs.layers * stored.layer_bytes
+    out.print(f"[bold]{costs.name}[/bold]: {costs.layers} layers, {stored_bytes / 1e9:.1f} GB "
               f"in {str(costs.dtype).removeprefix('torch.')}; {job.prompt_tokens} prompt + {job.new_tokens} new tokens "
               f"per prompt, {job.prompts or c.batch_size} prompts", highlight=False)
     machine = ["GPU" if hardware.gpu else "CPU", f"host {hardware.host_ram / 1e9:.1f} GB"]
     if hardware.gpu:
         machine += [f"GPU {hardware.gpu_ram / 1e9:.1f} GB", f"copies {hardware.h2d_gbps:.1f} GB/s"]
     machine += [f"disk {hardware.disk_gbps:.2f} GB/s", f"fill {hardware.fill_gbps:.2f} GB/s"]
-    out.print("machine: " + ", ".join(machine) + "  [dim](" + "; ".join(f"{k}: {v}" for k, v in hardware.sources.items()) + ")[/dim]",
-              highlight=False)
+    sources = "; ".join(f"{k}: {v}" for k, v in hardware.sources.items())
+    out.print("machine: " + ", ".join(machine) + "  [dim](" + sources + ")[/dim]", highlight=False)
     table = Table(title="plan", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("weights", c.weights + (f" (convert once: zerolite convert MODEL --weights {c.weights})" if c.weights != "stored" else ""))
+    convert_once = f" (convert once: zerolite convert MODEL --weights {c.weights})" if c.weights != "stored" else ""
+    table.add_row("weights", c.weights + convert_once)
     table.add_row("batch size", str(c.batch_size))
     tiers = []
     if hardware.gpu:
@@ -172,7 +190,8 @@ def show(costs, hardware, job, choice, command: list[str]) -> None:
         table.add_row("K/V offload", f"{c.kv_offload:g} of the layers' K/V in host memory")
     table.add_row("prefetch depth", str(c.prefetch_depth))
     table.add_row("prefill", f"{best.prefill_s:.3f} s")
-    parts = [f"disk {best.disk_s:.3f}", f"compute {best.compute_s:.3f}"] + ([f"copy {best.copy_s:.3f}"] if hardware.gpu else [])
+    parts = [f"disk {best.disk_s:.3f}", f"compute {best.compute_s:.3f}"]
+    parts += [f"copy {best.copy_s:.3f}"] if hardware.gpu else []
     table.add_row("decode step", f"{best.decode_step_s:.3f} s ({', '.join(parts)} s): {best.bottleneck}-bound")
     table.add_row("tokens/s", f"{best.tokens_per_s:.2f} (a batch's new tokens over its prefill and decode)")
     table.add_row("filling memory", f"{best.fill_s:.1f} s, once")

@@ -7,8 +7,9 @@ bytes a step streams and what that costs at the speed the disk read while loadin
 
 from __future__ import annotations
 
+from zerolite.memory_model import kv_bytes_per_token
 from zerolite.progress import stderr
-from zerolite.runtime.kv_cache import kv_bytes_per_token, offloaded_share
+from zerolite.runtime.kv_cache import offloaded_share
 
 
 def show_plan(lm, batch_size: int, tokens: int, chosen: bool = False) -> None:
@@ -28,10 +29,12 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
 
     tiers = [f"{len(plan.resident)} blocks resident on {device} ({size(plan.resident)}: {layer_list(plan.resident)})"]
     if plan.in_memory:
-        tiers.append(f"{len(plan.in_memory)} layers in host memory ({size(plan.in_memory)}: {layer_list(plan.in_memory)})")
+        tiers.append(f"{len(plan.in_memory)} layers in host memory "
+                     f"({size(plan.in_memory)}: {layer_list(plan.in_memory)})")
     if plan.on_disk:
         source = (f"the checkpoint's {len(manifest.shards)} shard(s), in place" if manifest.in_place else "disk")
-        tiers.append(f"{len(plan.on_disk)} layers streamed from {source} ({size(plan.on_disk)} per step: {layer_list(plan.on_disk)})")
+        tiers.append(f"{len(plan.on_disk)} layers streamed from {source} "
+                     f"({size(plan.on_disk)} per step: {layer_list(plan.on_disk)})")
     lines = ["plan: " + "; ".join(tiers)]
     routed = [name for name in plan.on_disk if name in lm.per_expert]
     per_step = manifest.nbytes(plan.on_disk)
@@ -46,8 +49,8 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
                      + (f"; {plan.expert_cache / 1e9:.2f} GB of host memory keeps experts across steps"
                         if plan.expert_cache else ""))
     if lm.host_experts:
-        lines.append(f"experts on the CPU: the routed experts of {len(lm.host_experts)} layers computed by the host from "
-                     f"host memory ({layer_list(lm.host_experts)}); only their "
+        lines.append(f"experts on the CPU: the routed experts of {len(lm.host_experts)} layers computed by the host "
+                     f"from host memory ({layer_list(lm.host_experts)}); only their "
                      f"tokens' hidden states cross to and from {device}, which computes the rest")
     if manifest.quantization:
         lines[0] += f" (layer weights {manifest.quantization['weights']})"
@@ -60,7 +63,8 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     if fraction and not on_host:
         kv += " (--kv-offload moves full-attention layers only, and this model has none)"
     if batch_size and tokens:
-        kv += f", {batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype) / 1e9:.2f} GB in all at most (batch {batch_size} x {tokens} tokens)"
+        kv_bytes = batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype)
+        kv += f", {kv_bytes / 1e9:.2f} GB in all at most (batch {batch_size} x {tokens} tokens)"
     lines.append(kv)
 
     world = lm.world
@@ -75,7 +79,8 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
         shared = world.local_size
         lines.append(f"bound: reading {per_step / 1e9:.2f} GB per step{' at batch 1' if routed else ''} takes "
                      f"{per_step * shared / (gbps * 1e9):.3f} s at the {gbps:.2f} GB/s loading read"
-                     + (f", which the {shared} ranks on this node share when they read the same disk" if shared > 1 else "")
+                     + (f", which the {shared} ranks on this node share when they read the same disk"
+                        if shared > 1 else "")
                      + "; a step takes the longer of that and its compute")
     if lm.draft is not None:
         draft = lm.draft.layout.manifest

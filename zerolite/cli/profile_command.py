@@ -24,8 +24,10 @@ def profile(
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Length of the random prompts.")] = 16,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (open it in Perfetto).")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Draw the timeline of the last steps into a PNG (needs matplotlib).")] = None,
-    disk: Annotated[Path | None, typer.Option(help="Only measure the read bandwidth of this layout, file or folder.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="Draw the timeline of the last steps into a PNG (needs matplotlib).")] = None,
+    disk: Annotated[Path | None, typer.Option(
+        help="Only measure the read bandwidth of this layout, file or folder.")] = None,
     **load,
 ) -> None:
     """Show where each step's time goes and what limits it: disk, copies, compute or prefetch (under
@@ -56,8 +58,8 @@ def profile(
 
     spec = options.to_load_spec(load)
     if spec.draft is not None and batch_size != 1:
-        raise ZeroliteError(f"--draft profiles speculative decoding, which runs at batch 1, and --batch-size is {batch_size}: "
-                            "leave out --batch-size, or leave out --draft")
+        raise ZeroliteError(f"--draft profiles speculative decoding, which runs at batch 1, and --batch-size is "
+                            f"{batch_size}: leave out --batch-size, or leave out --draft")
     world = start_world(given)
     timeline = Timeline()
     with options.load_model(spec, timeline=timeline, show_progress=not as_json, world=world) as lm:
@@ -73,7 +75,8 @@ def profile(
         write_trace(timeline, trace)
     if plot is not None:
         plot_timeline(timeline, plot, report.verdict,
-                      f"{spec.offload} offload, depth {lm.policy.prefetch_depth}, batch {batch_size}, {report.decode_step_s * 1e3:.0f} ms per decode step")
+                      f"{spec.offload} offload, depth {lm.policy.prefetch_depth}, batch {batch_size}, "
+                      f"{report.decode_step_s * 1e3:.0f} ms per decode step")
     if world.distributed:
         totals = rank_totals(every)
         if as_json:

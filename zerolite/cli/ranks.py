@@ -22,8 +22,8 @@ def start_world(arguments: dict):
 
 def refuse_ranks(ranks: int) -> None:
     if ranks > 1:
-        raise ZeroliteError(f"zerolite serve runs as one process, and torchrun started {ranks}: start it without torchrun "
-                            "(the server batches its clients into each pass over the weights itself)")
+        raise ZeroliteError(f"zerolite serve runs as one process, and torchrun started {ranks}: start it without "
+                            "torchrun (the server batches its clients into each pass over the weights itself)")
 
 
 def same_arguments(given: list[dict]) -> None:

@@ -20,20 +20,22 @@ def rank_totals(every: list[dict]) -> dict:
 def show_rank_reports(every: list[dict], totals: dict) -> None:
     """One row per rank, then the job's totals, and each rank's verdict."""
     first = every[0]
-    table = Table(title=f"zerolite profile: {first['offload']} offload, {len(every)} ranks, depth {first['prefetch_depth']}, "
-                        f"batch {first['batch_size']} each")
-    for column in ("rank", "device", "decode step", "tokens/s", "streamed per step", "achieved read", "read-only pass", "limited by"):
+    table = Table(title=f"zerolite profile: {first['offload']} offload, {len(every)} ranks, "
+                        f"depth {first['prefetch_depth']}, batch {first['batch_size']} each")
+    for column in ("rank", "device", "decode step", "tokens/s", "streamed per step", "achieved read", "read-only pass",
+                   "limited by"):
         table.add_column(column, justify="left" if column in ("device", "limited by") else "right")
 
     def rate(gbps):
         return f"{gbps:.2f} GB/s" if gbps else "-"
 
     for rank, r in enumerate(every):
-        table.add_row(str(rank), r["device"], f"{r['decode_step_s'] * 1e3:.1f} ms", f"{r['batch_size'] / r['decode_step_s']:.1f}",
-                      f"{r['streamed_bytes_per_step'] / 1e9:.3f} GB", rate(r["achieved_read_gbps"]), rate(r["read_gbps"]),
-                      r["bottleneck"])
-    table.add_row("all", "", "", f"{totals['decode_tokens_per_s']:.1f}", f"{totals['streamed_bytes_per_step'] / 1e9:.3f} GB",
-                  rate(totals["achieved_read_gbps"]), rate(totals["read_gbps"]), "", style="bold")
+        table.add_row(str(rank), r["device"], f"{r['decode_step_s'] * 1e3:.1f} ms",
+                      f"{r['batch_size'] / r['decode_step_s']:.1f}", f"{r['streamed_bytes_per_step'] / 1e9:.3f} GB",
+                      rate(r["achieved_read_gbps"]), rate(r["read_gbps"]), r["bottleneck"])
+    table.add_row("all", "", "", f"{totals['decode_tokens_per_s']:.1f}",
+                  f"{totals['streamed_bytes_per_step'] / 1e9:.3f} GB", rate(totals["achieved_read_gbps"]),
+                  rate(totals["read_gbps"]), "", style="bold")
     out = Console()
     out.print(table)
     for rank, r in enumerate(every):
@@ -41,7 +43,8 @@ def show_rank_reports(every: list[dict], totals: dict) -> None:
 
 
 def show_report(report) -> None:
-    table = Table(title=f"zerolite profile: {report.offload} offload on {report.device}, depth {report.prefetch_depth}, batch {report.batch_size}")
+    table = Table(title=f"zerolite profile: {report.offload} offload on {report.device}, "
+                        f"depth {report.prefetch_depth}, batch {report.batch_size}")
     table.add_column("measure")
     table.add_column("value", justify="right")
 
@@ -58,23 +61,28 @@ def show_report(report) -> None:
         ("decode step (median)", f"{report.decode_step_s * 1e3:.1f} ms"),
         ("  compute waiting for bytes", f"{report.wait_s * 1e3:.1f} ms"),
         ("  compute", f"{report.compute_s * 1e3:.1f} ms"),
-        ("  I/O at the read-only pass's rate" if report.read_gbps else "  I/O at the measured bandwidth", f"{report.io_s * 1e3:.1f} ms"),
+        ("  I/O at the read-only pass's rate" if report.read_gbps else "  I/O at the measured bandwidth",
+         f"{report.io_s * 1e3:.1f} ms"),
         ("streamed per step", f"{report.streamed_bytes_per_step / 1e9:.3f} GB"),
         ("achieved read rate", rate(report.achieved_read_gbps)),
         ("share of the bound", f"{report.share_of_bound:.0%}"),
         ("overlap (step / max(I/O, compute))", f"{report.overlap:.2f}"),
-        ("transfers in flight", f"{report.link_busy:.0%} of the step, {report.in_flight_bytes / 1e6:.0f} MB on average"),
+        ("transfers in flight",
+         f"{report.link_busy:.0%} of the step, {report.in_flight_bytes / 1e6:.0f} MB on average"),
     ]
     if (experts := report.experts) is not None:
         rows += [
             ("  of it dense parts / experts", f"{experts['dense_bytes_per_step'] / 1e9:.3f} GB / "
                                               f"{experts['expert_bytes_per_step'] / 1e9:.3f} GB"),
-            ("  expert cache hits", "-" if experts["expert_cache_hit_rate"] is None else f"{experts['expert_cache_hit_rate']:.0%}"),
-            ("  next-layer expert guesses routed to", "-" if experts["prefetch_guess_rate"] is None else f"{experts['prefetch_guess_rate']:.0%}"),
+            ("  expert cache hits",
+             "-" if experts["expert_cache_hit_rate"] is None else f"{experts['expert_cache_hit_rate']:.0%}"),
+            ("  next-layer expert guesses routed to",
+             "-" if experts["prefetch_guess_rate"] is None else f"{experts['prefetch_guess_rate']:.0%}"),
         ]
     if (spec := report.speculation) is not None:
         rows += [
-            ("draft: guesses kept", f"{spec['accepted_tokens']} of {spec['draft_tokens']} ({spec['acceptance_rate'] or 0:.0%})"),
+            ("draft: guesses kept",
+             f"{spec['accepted_tokens']} of {spec['draft_tokens']} ({spec['acceptance_rate'] or 0:.0%})"),
             ("  tokens per pass over the weights", f"{spec['tokens_per_pass'] or 0:.2f}"),
             ("  time drafting / in the model's passes", f"{spec['draft_s']:.2f} s / {spec['target_s']:.2f} s"),
         ]

@@ -62,5 +62,5 @@ def serve(
     sock = bind(host, port)  # before loading: a port in use is found in a second, not after minutes
     with sock, options.load_model(spec) as lm:
         server = build_server(lm, settings, spec.model)
-        show_plan(lm, server.engine.max_batch, server.served.context)
+        show_plan(lm, server.decode_loop.max_batch, server.served.context)
         run_server(server, settings, sock, announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))

@@ -115,7 +115,8 @@ class Checkpoint:
                 data_start, header = safetensors_header(path)
                 for key, info in header.items():
                     begin, end = info["data_offsets"]
-                    state[key] = StoredTensor(path, data_start + begin, end - begin, info["dtype"], tuple(info["shape"]))
+                    state[key] = StoredTensor(path, data_start + begin, end - begin, info["dtype"],
+                                              tuple(info["shape"]))
         return state
 
 

@@ -80,7 +80,8 @@ def plan_in_place(checkpoint: Checkpoint, dtype: str | None) -> Manifest:
     blocks = partition(model)
     stored = locate_tensors(checkpoint, model, blocks)
     entries = tuple(place_block(spec, stored) for spec in blocks.blocks)
-    shards = tuple(Shard(str(path), (stat := os.stat(path)).st_size, stat.st_mtime_ns) for path in checkpoint.weight_files)
+    shards = tuple(Shard(str(path), (stat := os.stat(path)).st_size, stat.st_mtime_ns)
+                   for path in checkpoint.weight_files)
     return Manifest(model_type=config.model_type, dtype=dtype_name(torch_dtype), layers_path=blocks.layers_path,
                     blocks=entries, aliases=blocks.aliases,
                     source={"model": str(checkpoint.folder), "fingerprint": checkpoint.fingerprint()}, shards=shards)
@@ -110,7 +111,8 @@ def locate_tensors(checkpoint: Checkpoint, model, blocks) -> dict[str, Stored]:
             if found != dtype_name(expected.dtype):
                 raise NotInPlace(f"{key} is stored as {found}, and the run uses {dtype_name(expected.dtype)}")
             if tuple(info["shape"]) != tuple(expected.shape):
-                raise NotInPlace(f"{key} has shape {tuple(info['shape'])}, the model's {target} {tuple(expected.shape)}")
+                raise NotInPlace(f"{key} has shape {tuple(info['shape'])}, "
+                                 f"the model's {target} {tuple(expected.shape)}")
             begin, end = info["data_offsets"]
             stored[target] = Stored(index, data_start + begin, end - begin, found, tuple(info["shape"]))
     return stored
@@ -127,7 +129,8 @@ def place_block(spec: BlockSpec, stored: dict[str, Stored]) -> BlockEntry:
     for name in order:
         last = stored[runs[-1][-1]] if runs else None
         here = stored[name]
-        if last is not None and last.shard == here.shard and here.start - (last.start + last.nbytes) <= GAP_READ_THROUGH:
+        if (last is not None and last.shard == here.shard
+                and here.start - (last.start + last.nbytes) <= GAP_READ_THROUGH):
             runs[-1].append(name)
         else:
             runs.append([name])

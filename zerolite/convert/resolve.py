@@ -36,7 +36,8 @@ def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool, w
         return layout_in(Path(model).expanduser(), weights)
     if model is not None and (Path(model).expanduser() / JOURNAL).is_file():
         raise ZeroliteError(
-            f"the conversion into {model} did not finish: run zerolite convert MODEL --path {model} again to complete it"
+            f"the conversion into {model} did not finish: "
+            f"run zerolite convert MODEL --path {model} again to complete it"
         )
     source = str(model) if model is not None else str(builtin_gguf())
     if path is not None and holds_layout(path):
@@ -55,7 +56,8 @@ def ensure_layout(model, path, dtype, allow_pickle: bool, show_progress: bool, w
     return convert_into(source, folder, dtype, allow_pickle, show_progress, weights)
 
 
-def convert_into(source: str, folder: Path, dtype, allow_pickle: bool, show_progress: bool, weights: str | None) -> Path:
+def convert_into(source: str, folder: Path, dtype, allow_pickle: bool, show_progress: bool,
+                 weights: str | None) -> Path:
     convert(source, folder, dtype=dtype, allow_pickle=allow_pickle, show_progress=show_progress, weights=weights)
     return layout_in(folder, weights)
 
@@ -67,8 +69,8 @@ def layout_in(folder: Path, weights: str | None) -> Path:
     manifest = read_existing_manifest(folder)
     stored = (manifest.quantization or {}).get("weights") if manifest is not None else None
     if stored != weights:
-        raise ZeroliteError(f"{folder} holds {stored or 'unquantized'} weights, not {weights}: give the checkpoint as the "
-                            f"model to convert it with --weights {weights}, or leave out --weights")
+        raise ZeroliteError(f"{folder} holds {stored or 'unquantized'} weights, not {weights}: give the checkpoint "
+                            f"as the model to convert it with --weights {weights}, or leave out --weights")
     return folder
 
 

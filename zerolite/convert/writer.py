@@ -64,8 +64,9 @@ def convert(
     if scheme:
         if rescales_weights(config):
             raise ZeroliteError(
-                f"{config.model_type} divides the weights of its layers past the first {config.rescale_every} in place at "
-                "its first forward (its rescale_every), which int8 and int4 weights cannot take: leave out `weights`")
+                f"{config.model_type} divides the weights of its layers past the first {config.rescale_every} in "
+                "place at its first forward (its rescale_every), which int8 and int4 weights cannot take: "
+                "leave out `weights`")
     planned = plan_extents(meta_model, blocks, scheme, targets)
     source = {"model": source_name(model), "fingerprint": checkpoint.fingerprint()}
     dtype_name = str(torch_dtype).removeprefix("torch.")
@@ -236,7 +237,8 @@ def allocate(fd: int, nbytes: int, out: Path) -> None:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise ZeroliteError(f"{out} ran out of space allocating {nbytes / 1e9:.2f} GB: free some space or choose another `path`") from e
+            raise ZeroliteError(f"{out} ran out of space allocating {nbytes / 1e9:.2f} GB: "
+                                "free some space or choose another `path`") from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
 
@@ -252,7 +254,8 @@ def write_block(fd: int, planned: BlockEntry, tensors: dict[str, torch.Tensor], 
     for entry in planned.tensors:
         tensor = tensors.pop(entry.name).contiguous()
         if str(tensor.dtype).removeprefix("torch.") != entry.dtype or tuple(tensor.shape) != entry.shape:
-            raise ZeroliteError(f"{entry.name} came out of the checkpoint as {tensor.dtype} {tuple(tensor.shape)}, expected {entry.dtype} {entry.shape}")
+            raise ZeroliteError(f"{entry.name} came out of the checkpoint as {tensor.dtype} {tuple(tensor.shape)}, "
+                                f"expected {entry.dtype} {entry.shape}")
         for start, piece in tensor_pieces(entry, tensor):
             buffer[start : start + piece.nbytes] = piece.reshape(-1).view(torch.uint8)
     data = buffer.numpy()
@@ -262,7 +265,8 @@ def write_block(fd: int, planned: BlockEntry, tensors: dict[str, torch.Tensor], 
             raise OSError(errno.EIO, f"short write of block {planned.name}")
         os.fdatasync(fd)
     except OSError as e:
-        raise ZeroliteError(f"writing {out / DATA_FILE} failed: {one_line(e)}; free space or choose another `path`, then convert again (finished blocks are kept)") from e
+        raise ZeroliteError(f"writing {out / DATA_FILE} failed: {one_line(e)}; free space or choose another `path`, "
+                            "then convert again (finished blocks are kept)") from e
     # Written once, read back later with O_DIRECT: keep it out of the page cache.
     os.posix_fadvise(fd, planned.offset, planned.length, os.POSIX_FADV_DONTNEED)
     area = planned.experts
@@ -287,7 +291,8 @@ def piece_extents(entry: TensorEntry) -> list[tuple[int, int]]:
     """(offset in the block, bytes) of each piece tensor_pieces writes."""
     if not entry.expert_stride:
         return [(entry.offset, entry.nbytes)]
-    return [(entry.offset + expert * entry.expert_stride, entry.nbytes // entry.shape[0]) for expert in range(entry.shape[0])]
+    return [(entry.offset + expert * entry.expert_stride, entry.nbytes // entry.shape[0])
+            for expert in range(entry.shape[0])]
 
 
 def tensor_pieces(entry: TensorEntry, tensor: torch.Tensor):

@@ -19,7 +19,7 @@ from zerolite.generate.prompts import Completion, Prompt
 from zerolite.generate.stats import RunStats, StepClock
 from zerolite.lm import OffloadedLM
 from zerolite.progress import token_progress
-from zerolite.runtime.batching import largest_batch
+from zerolite.runtime.batching import decide_batch_size, largest_batch
 from zerolite.sampling import Sampling
 from zerolite.text import (
     PromptError,
@@ -42,15 +42,16 @@ def generate_all(
     show_progress: bool = True,
     done: set = frozenset(),
     on_start: Callable[[int, int], None] = lambda batch_size, tokens: None,
-    batch_cap: int | None = None,
+    planned_batch: int | None = None,
 ) -> RunStats:
     """Generates for every prompt, batch after batch, handing each batch's completions to on_batch.
 
-    batch_size None picks the largest batch the memory holds, at most batch_cap. Batches are cut from the whole list
-    by position, so that a batch always holds the same prompts (and so gives the same tokens);
-    those whose ids are all in done (a resumed run) are skipped. on_start hears the rows of the
-    largest batch that runs (fewer than batch_size when fewer prompts are left) and the longest
-    sequence among them, once the prompts are checked and before anything runs (if anything does).
+    batch_size None picks the largest batch the memory holds, at most planned_batch (decide_batch_size).
+    Batches are cut from the whole list by position, so that a batch always holds the same prompts
+    (and so gives the same tokens); those whose ids are all in done (a resumed run) are skipped.
+    on_start hears the rows of the largest batch that runs (fewer than batch_size when fewer
+    prompts are left) and the longest sequence among them, once the prompts are checked and before
+    anything runs (if anything does).
     The engine, the slots and the resident blocks stay warm from one batch to the next.
 
     Under torchrun (lm.world) every rank calls this alike, with rank 0's prompts and done: the
@@ -68,9 +69,12 @@ def generate_all(
             raise ZeroliteError(f"`batch_size` must be at least 1, got {batch_size}")
         encoded = encode(lm, prompts, sampling.chat)
         check_context(lm, prompts, encoded, sampling.max_new_tokens)
-        size = batch_size or min(world.all_gather(  # the largest every rank's memory holds
-            lambda: largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens), "choosing the batch size"))
-        size = min(size, batch_cap or size)
+
+        def fits() -> int:  # the largest every rank's memory holds
+            return min(world.all_gather(lambda: largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens),
+                                        "choosing the batch size"))
+
+        size = decide_batch_size(batch_size, planned=planned_batch, fits=fits)
         batches = [range(start, min(start + size, len(prompts))) for start in range(0, len(prompts), size)]
         check_work(len(prompts), size, world.size)
 

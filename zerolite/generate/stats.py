@@ -53,7 +53,8 @@ class RunStats:
             parts = [getattr(stats, field) for stats in every if getattr(stats, field) is not None]
             return type(parts[0])(*map(sum, zip(*map(dataclasses.astuple, parts)))) if parts else None
 
-        return cls(**{f: most(f) for f in ("load_s", "convert_s", "prefill_s", "decode_s", "peak_rss_bytes", "peak_device_bytes")},
+        longest = ("load_s", "convert_s", "prefill_s", "decode_s", "peak_rss_bytes", "peak_device_bytes")
+        return cls(**{f: most(f) for f in longest},
                    **{f: total(f) for f in ("new_tokens", "decode_tokens", "decode_steps", "bytes_read", "forwards")},
                    experts=added("experts"), speculation=added("speculation"), ranks=len(every))
 
@@ -94,19 +95,8 @@ class RunStats:
             "peak_rss_bytes": self.peak_rss_bytes,
             "peak_device_bytes": self.peak_device_bytes,
             **({"ranks": self.ranks} if self.ranks > 1 else {}),
-            **(speculation_dict(self.speculation) if self.speculation is not None else {}),
+            **(self.speculation.to_dict() if self.speculation is not None else {}),
         }
-
-
-def speculation_dict(spec: SpeculationStats) -> dict:
-    return {
-        "draft_tokens": spec.drafted,
-        "accepted_tokens": spec.accepted,
-        # guesses kept / guesses made (a guess after the first miss of a round counts as not kept)
-        "acceptance_rate": round(spec.accepted / spec.drafted, 4) if spec.drafted else None,
-        "draft_s": round(spec.draft_s, 4),
-        "target_s": round(spec.target_s, 4),
-    }
 
 
 class StepClock(BaseStreamer):

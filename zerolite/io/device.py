@@ -10,7 +10,7 @@ device and pinned host memory, free memory.
 
 Three implementations: CudaDevice (the only code in the package that calls torch.cuda), CpuDevice
 (one memory: nothing to copy, nothing to wait for) and, for the tests, a simulated asynchronous
-device (tests/simulated_device.py) whose copies run on threads, so that a missing wait shows up as
+device (tests/support/simulated_device.py) whose copies run on threads, so that a missing wait shows up as
 wrong bytes. Events follow torch.cuda.Event's interface: record(stream), synchronize() and
 elapsed_time(other) in milliseconds.
 """
@@ -49,7 +49,7 @@ class Device:
 
     def adopt_thread(self) -> None:
         """Makes this device the calling thread's current one (a thread other than the loader's,
-        such as the server's engine loop, would otherwise start on device 0)."""
+        such as the server's decode loop, would otherwise start on device 0)."""
 
     def new_stream(self):
         raise NotImplementedError
@@ -164,7 +164,8 @@ class CpuDevice(Device):
         dst.copy_(src)
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        return aligned_empty(nbytes, huge_pages=False)  # a resident block's home: read into once (io.engine.host_mapping)
+        # a resident block's home: read into once (io.engine.host_mapping)
+        return aligned_empty(nbytes, huge_pages=False)
 
     def memory(self) -> tuple[int, int]:
         memory = psutil.virtual_memory()
@@ -292,7 +293,8 @@ class CudaDriver:
         """GPU index's primary context made current on this thread, and the previous one back after."""
         device, context = ctypes.c_int(), ctypes.c_void_p()
         self._check(self.library.cuDeviceGet(ctypes.byref(device), index), f"finding GPU {index}")
-        self._check(self.library.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), f"opening GPU {index}'s context")
+        self._check(self.library.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                    f"opening GPU {index}'s context")
         try:
             self._check(self.library.cuCtxPushCurrent_v2(context), f"making GPU {index}'s context current")
             try:
@@ -322,7 +324,7 @@ def cuda_driver() -> CudaDriver:
 
 
 class _Registration:
-    """Keeps a host mapping registered with CUDA, in chunks, while any tensor uses it; on release,
+    """Keeps a host mapping registered with CUDA, in chunks, while any tensor uses it, and
     unregisters them before the mapping goes (the mmap is freed only after this object)."""
 
     def __init__(self, mapping: mmap.mmap, driver: CudaDriver, index: int):
@@ -331,14 +333,14 @@ class _Registration:
         self.index = index
         self.chunks: list[int] = []
 
-    def release(self) -> None:
+    def unregister_all(self) -> None:
         with self.driver.current(self.index):
             while self.chunks:
                 self.driver.unregister(self.chunks.pop())
 
     def __del__(self):
         with contextlib.suppress(Exception):  # nothing to do about a failure while freeing
-            self.release()
+            self.unregister_all()
 
 
 def registered_host_memory(nbytes: int, index: int, node: int | None = None) -> torch.Tensor:
@@ -364,7 +366,8 @@ def registration_chunks(nbytes: int, starts: Sequence[int]) -> list[tuple[int, i
     return chunks
 
 
-def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int, starts: Sequence[int] = (0,)) -> torch.Tensor:
+def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int,
+               starts: Sequence[int] = (0,)) -> torch.Tensor:
     """array (inside mapping) page-locked for GPU index, in registration_chunks of its pieces
     (which begin at starts), as a uint8 tensor that keeps both alive."""
     address, nbytes = ctypes.addressof(array), len(array)
@@ -373,7 +376,7 @@ def registered(array: ctypes.Array, mapping: mmap.mmap, what: str, index: int, s
         for start, length in registration_chunks(nbytes, starts):
             status = registration.driver.register(address + start, length)
             if status != 0:
-                registration.release()
+                registration.unregister_all()
                 raise ZeroliteError(f"pinning {nbytes / 1e9:.2f} GB of {what} failed (CUDA driver error {status}): "
                                     "lower `cpu_memory` or `prefetch_depth`")
             registration.chunks.append(address + start)

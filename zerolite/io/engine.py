@@ -57,14 +57,13 @@ def host_mapping(nbytes: int, huge_pages: bool = True) -> tuple[ctypes.Array, mm
 
     Why huge pages: an O_DIRECT read pins every page it lands in, and pinning 4 KiB pages one by
     one costs the kernel more than the read on a fast disk; huge pages leave it 512 times fewer
-    pages to pin, which a buffer read into at every step (a slot) gains each time: 1 GiB read
-    again into touched memory at 3.9 GB/s in huge pages, 2.5 in 4 KiB ones (development VM). Why
-    not for memory filled once (a CPU's host tier and resident blocks, convert's buffers; a GPU's
-    pinned host tier is the device's: zerolite.io.device): the first touch of a huge page there
-    costs far more than its read, since the VM's host backs every fresh page anew (free page
-    reporting): 1 GiB read into fresh memory at 0.44-0.59 GB/s in huge pages and 1.8-2.6 in 4 KiB
-    ones, fio 1.3-3.4 beside them. Matmuls on weights in either ran alike (within 3%, batch 1 to
-    1024). Where the kernel gives no huge pages the memory works as before.
+    pages to pin, which a buffer read into at every step (a slot) gains each time. Why not for
+    memory filled once (a CPU's host tier and resident blocks, convert's buffers; a GPU's pinned
+    host tier is the device's: zerolite.io.device): where the host backs every fresh page anew (a
+    VM with free page reporting), the first touch of a huge page costs far more than its read.
+    Matmuls on weights in either kind of page run alike. The figures, measured on the development
+    VM: docs/design-figures.md, under zerolite/io/engine.py. Where the kernel gives no huge pages
+    the memory works as before.
     """
     rounded = align_up(nbytes, HUGE_PAGE)
     # Private, not the default shared mapping: shmem-backed pages are shared with forked children

@@ -39,8 +39,10 @@ class Layout:
         folder = Path(folder).expanduser()
         manifest_path = folder / MANIFEST
         if not manifest_path.is_file():
-            hint = " (a conversion into it did not finish: run zerolite convert again)" if (folder / "convert.journal").exists() else ""
-            raise ZeroliteError(f"no zerolite layout at {folder}{hint}: create one with zerolite convert MODEL --path {folder}")
+            unfinished = (folder / "convert.journal").exists()
+            hint = " (a conversion into it did not finish: run zerolite convert again)" if unfinished else ""
+            raise ZeroliteError(f"no zerolite layout at {folder}{hint}: "
+                                f"create one with zerolite convert MODEL --path {folder}")
         manifest = Manifest.from_json(manifest_path.read_text(), manifest_path)
         layout = cls(folder, manifest)
         if manifest.in_place:

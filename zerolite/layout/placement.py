@@ -67,9 +67,11 @@ def device_placement(entry: BlockEntry) -> Placement:
     placed: dict[str, int] = {}
     end = 0
     for tensor in sorted(entry.tensors, key=lambda t: t.offset):
-        to = tensor.offset if tensor.offset % TENSOR_ALIGNMENT == 0 and tensor.offset >= end else round_up(end, TENSOR_ALIGNMENT)
+        stays = tensor.offset % TENSOR_ALIGNMENT == 0 and tensor.offset >= end
+        to = tensor.offset if stays else round_up(end, TENSOR_ALIGNMENT)
         last = moves[-1] if moves else None
-        if last is not None and to - tensor.offset == last.to - last.start and tensor.offset >= last.start + last.length:
+        if (last is not None and to - tensor.offset == last.to - last.start
+                and tensor.offset >= last.start + last.length):
             moves[-1] = Move(last.start, last.to, tensor.offset + tensor.span - last.start)
         else:
             moves.append(Move(tensor.offset, to, tensor.span))

@@ -5,10 +5,10 @@ through a ring as the executor does, with no compute, one pass per decode step.
     figures["read_gbps"]    # bytes of one pass / the median pass: what a step could read at best
     figures["pass_s"]       # every pass's seconds, in order
 
-Why not one cold sequential read of the file (zerolite.planner.machine.measure_disk of a file): on virtual disks the host caches
-below the guest, so decode's repeated passes over the same blocks can run much faster than a cold
-read of the file; a bound taken from that read says a step beats its own bound. The same reads,
-repeated the same way, are the bound a step can be held to.
+Why not one cold sequential read of the file (zerolite.planner.machine.measure_disk of a file): on
+virtual disks the host caches below the guest, so decode's repeated passes over the same blocks can
+run much faster than a cold read of the file; a bound taken from that read says a step beats its
+own bound. The same reads, repeated the same way, are the bound a step can be held to.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def read_pass(layout: Layout, names, passes: int, engine: IoEngine | None = None
     per_pass = layout.manifest.nbytes(names)
     median = statistics.median(pass_s)
     return {"bytes_per_pass": per_pass, "passes": passes, "depth": depth, "pass_s": [round(s, 4) for s in pass_s],
-            "median_pass_s": round(median, 4), "read_gbps": round(per_pass / median / 1e9, 3), "backend": disk.engine.backend}
+            "median_pass_s": round(median, 4), "read_gbps": round(per_pass / median / 1e9, 3),
+            "backend": disk.engine.backend}
 
 
 def landed(disk: DiskStore, in_flight: deque, per_pass: int, pass_ends: list[float]) -> None:

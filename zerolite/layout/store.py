@@ -115,7 +115,9 @@ class DiskStore:
 
     @property
     def _where(self) -> str:
-        return f"the checkpoint in {self.layout.side_folder}" if self.layout.manifest.in_place else str(self.layout.data_path)
+        if self.layout.manifest.in_place:
+            return f"the checkpoint in {self.layout.side_folder}"
+        return str(self.layout.data_path)
 
     def wait_all(self, tickets: list[int]) -> None:
         """Waits for every ticket, even after one failed (no read may outlive its buffer), then
@@ -184,7 +186,8 @@ class DiskStore:
         except OSError as e:
             fix = ("download the model again" if self.layout.manifest.in_place
                    else f"convert the model again (zerolite convert MODEL --path {self.layout.folder})")
-            raise ZeroliteError(f"reading the layout failed: {' '.join(str(e).split())}: check the disk (dmesg), or {fix}") from e
+            raise ZeroliteError(f"reading the layout failed: {' '.join(str(e).split())}: "
+                                f"check the disk (dmesg), or {fix}") from e
 
 
 class MemoryStore:
@@ -203,8 +206,8 @@ class MemoryStore:
             buffers[name] = allocate(disk.entry(name).length)
             tickets.append(disk.submit(name, buffers[name]))
         try:
-            for number, (name, ticket) in enumerate(zip(names, tickets)):
-                disk.wait(ticket)
+            for number, name in enumerate(names):
+                disk.wait(tickets[number])
                 disk.verify(name, buffers[name])
                 if progress is not None:
                     progress.advance(disk.entry(name).length)

@@ -3,7 +3,8 @@ the rows multiplied at once, with the very modules a run uses (nn.Linear, and ze
 and Int4Linear with their CPU kernels), so a CPU's kernel quirks (int4's bf16-only fast path, a
 bf16 matmul without AVX-512 BF16) are measured, not assumed.
 
-    rates = probe_compute(CpuDevice(), torch.bfloat16)   # {"stored": {1: 2.1e-10, 4: ..., ...}, "int8": ..., "int4": ...}
+    rates = probe_compute(CpuDevice(), torch.bfloat16)
+    # {"stored": {1: 2.1e-10, 4: ..., ...}, "int8": ..., "int4": ...}
 
 The weights cycle through several matrices larger than a CPU's caches together, as a pass over a
 model's layers does, so a small batch pays for reading its weights from memory. The matrices are
@@ -31,7 +32,8 @@ MATRICES = 6                # 6 x 32 MB in bf16: beyond the caches, as a layer's
 MIN_SECONDS = 0.05          # each point timed over this long at least (one call, at large batches)
 
 
-def probe_compute(device: Device, dtype: torch.dtype, formats=("stored", "int8", "int4")) -> dict[str, dict[int, float]]:
+def probe_compute(device: Device, dtype: torch.dtype,
+                  formats=("stored", "int8", "int4")) -> dict[str, dict[int, float]]:
     generator = torch.Generator().manual_seed(0)
     dense = torch.randn(SHAPE, generator=generator).to(dtype)
     rates = {}
@@ -81,7 +83,8 @@ LAYER_ROWS = (1, 16, 64, 256)   # the cost model interpolates between them, and 
 LAYER_CONTEXT = 2            # positions prefilled before the timed steps: attention's flops are priced apart, and a
                              # longer prompt made the prefill at 256 rows the larger part of the probe
 LAYER_STEPS = 2              # decode steps timed at each row count, after one untimed
-PROBED_LAYERS = 2            # a layer of each of the two commonest kinds (sliding and full attention, state space and attention)
+PROBED_LAYERS = 2            # a layer of each of the two commonest kinds (sliding and full attention, state space
+                             # and attention)
 PROBE_SECONDS = 3.0          # no row count is begun that would take the probe past this (the first two always run)
 PROBE_LAYER_MAX_BYTES = 1 << 30  # larger layers are left to the matmul rates (their matmuls dwarf the rest)
 FILL_PATTERN = 1 << 20       # random values tiled over every weight: memcpy's speed, not a random generator's
@@ -100,7 +103,8 @@ def probe_layer(config, dtype: torch.dtype, device: Device) -> dict[str, dict[in
 
     small, shares = shrunk(config, PROBED_LAYERS)
     model = filled_model(small, dtype, device)
-    layers = find_decoder_layers(model.get_decoder())[1]  # the text model's: a vision tower's may weigh more than 2 layers
+    # the text model's: a vision tower's may weigh more than 2 layers
+    layers = find_decoder_layers(model.get_decoder())[1]
     clock = LayerClock(layers, shares, device)
     generator = torch.Generator().manual_seed(0)
     layer, step, spent = {}, {}, {}
@@ -176,7 +180,8 @@ class LayerClock:
 
 
 @torch.inference_mode()
-def time_decode(model: nn.Module, clock: LayerClock, rows: int, generator: torch.Generator, device: Device) -> tuple[float, float]:
+def time_decode(model: nn.Module, clock: LayerClock, rows: int, generator: torch.Generator,
+                device: Device) -> tuple[float, float]:
     """(one layer's seconds, the rest of the step's) for a decode step of rows sequences, the best of
     LAYER_STEPS. Each step decodes the next position with the cache (or state) the model made
     itself: nothing is rolled back, as a sliding window's or a recurrent state's cache cannot be."""

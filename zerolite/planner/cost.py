@@ -20,7 +20,9 @@ distinct experts of a random router (ModelCosts.expected_experts), and reads som
 no token picks (WRONG_GUESSES, from zerolite profile's early_unused_experts_per_step on the MoE
 bench model: 0.39 to 0.5 per guessed layer at batch 1). The prefill reads what a step
 reads and multiplies batch x prompt rows. Filling the host tier (and the GPU's resident layers)
-takes their bytes at the measured fill rate, once per job.
+takes their bytes at the measured fill rate, once per job. What a policy holds in memory (K/V, the
+prefill's activations, a GPU's dense copies and dequantisation) is zerolite.memory_model's count,
+the one the runtime's batch sizes, budgets and preflight use, so a batch planned is one that runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerolite.io import engine
+from zerolite.memory_model import prefill_activation_bytes
 from zerolite.planner.compute_probe import LAYER_CONTEXT
 from zerolite.planner.hardware import RUNTIME_BYTES, Hardware, at
 from zerolite.planner.model_costs import ModelCosts
@@ -166,12 +169,10 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
 
     host_tier = c.host_layers * engine.host_bytes(fmt.layer_bytes)  # as Plan.make counts a layer held in host memory
     ring = c.prefetch_depth * fmt.layer_bytes if streamed_layers else 0
-    activations = b * job.prompt_tokens * (4 * costs.hidden_size + 2 * costs.intermediate_size) * costs.dtype.itemsize
-    activations += 2 * b * costs.vocab_size * 4
+    activations = b * prefill_activation_bytes(costs.shape, job.prompt_tokens, costs.dtype)
     if hardware.gpu:
-        dense_layer = costs.formats["stored"].layer_bytes
         gpu_bytes = int(fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) + ring + (1 - c.kv_offload) * kv
-                        + activations + (dense_layer if c.weights != "stored" else 0))
+                        + activations + fmt.workspace_bytes)
         host_bytes = int(host_tier + ring + c.kv_offload * kv + RUNTIME_BYTES)
         fill = host_tier / (hardware.fill_gbps * 1e9) + c.gpu_layers * fmt.layer_bytes / (min(hardware.disk_gbps, hardware.h2d_gbps) * 1e9)
     else:
@@ -191,4 +192,4 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
 def on_gpu(costs: ModelCosts, weights: str) -> int:
     """What a layer resident on a GPU takes: a quantized one is kept dequantised beside its bytes."""
     fmt = costs.formats[weights]
-    return fmt.layer_bytes + (costs.formats["stored"].layer_bytes if weights != "stored" else 0)
+    return fmt.layer_bytes + fmt.dense_bytes

@@ -88,12 +88,15 @@ class Hardware:
         elif disk is not None:
             sources["disk_gbps"] = f"recorded ({measurements.path()})"
         if disk is None:
-            raise ZeroliteError("no disk rate is recorded for this file system: run zerolite profile once, or give --disk-gbps")
+            raise ZeroliteError("no disk rate is recorded for this file system: "
+                                "run zerolite profile once, or give --disk-gbps")
         fill = measurements.fill_gbps()
-        sources["fill_gbps"] = "recorded: every load's bytes over its seconds" if fill is not None else "assumed: the disk's rate"
+        sources["fill_gbps"] = ("recorded: every load's bytes over its seconds" if fill is not None
+                                else "assumed: the disk's rate")
         h2d = measurements.value("h2d_gbps") if gpu else None
         if gpu and h2d is None:
-            with planner_part("time copies from host memory to the GPU"), measuring("copies from host memory to the GPU"):
+            with (planner_part("time copies from host memory to the GPU"),
+                  measuring("copies from host memory to the GPU")):
                 h2d = measure_host_to_device(target)
             measurements.record("h2d_gbps", h2d)
         key = measurements.compute_key(target, dtype)

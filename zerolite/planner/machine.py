@@ -33,8 +33,9 @@ def measure_disk(path: str | os.PathLike, max_bytes: int = DISK_READ_BYTES, scra
     layer order over at most max_bytes in all, the median pass's rate), a file (read once up to
     max_bytes), or a folder: a scratch file of
     scratch_bytes is written there, kept out of the page cache, read and removed. A layout's
-    rate is the one a decode step's reads see; on the development VM, whose host caches the disk
-    below the guest, passes after the first ran up to 1.4x faster than a single cold read.
+    rate is the one a decode step's reads see: on a virtual disk whose host caches it below the
+    guest, passes after the first run faster than a single cold read (docs/design-figures.md,
+    under zerolite/planner/machine.py).
     """
     target = Path(path).expanduser()
     if not target.exists():

@@ -20,18 +20,27 @@ from transformers import PretrainedConfig
 from zerolite.hf import build_meta_model
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.blocks import module_path, partition, stored_tensors
+from zerolite.memory_model import (
+    ModelShape,
+    dense_weight_bytes,
+    dequantize_workspace,
+    kv_bytes_per_token,
+    quantized_weight_count,
+)
 from zerolite.quant.quantize import WeightScheme, quantizable_linears
-from zerolite.runtime.kv_cache import kv_bytes_per_token
 
 WEIGHT_FORMATS = ("stored", "int8", "int4")
 
 
 @dataclass(frozen=True)
 class FormatCosts:
-    """One weight format's bytes: what a layer, the blocks always resident, and an expert store."""
+    """One weight format's bytes: what a layer, the blocks always resident, and an expert store,
+    and on a GPU what its quantized weights take dequantised."""
     layer_bytes: int        # the widest decoder layer, 4 KiB-aligned as a layout stores it
     always_bytes: int       # the embeddings, final norm and head (never quantized)
     expert_bytes: int       # one expert of one layer (0 for a dense model)
+    dense_bytes: int = 0    # the widest layer's quantized weights dequantised, as a GPU keeps a resident layer's
+    workspace_bytes: int = 0  # a GPU's dequantisation of streamed layers (zerolite.memory_model.dequantize_workspace)
 
 
 @dataclass(frozen=True)
@@ -47,9 +56,7 @@ class ModelCosts:
     head_weights: int                 # the output projection's, multiplied once per token
     attention_width: int              # query heads x head width: attention's cost per position of context (0: none)
     kv_bytes_per_token: int           # K and V of the layers that attend, for one position of one sequence
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
+    shape: ModelShape                 # the sizes the activations depend on
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, dtype: torch.dtype | None = None, name: str = "") -> ModelCosts:
@@ -79,20 +86,22 @@ class ModelCosts:
                                          sum(layer[n].nbytes for n in expert_names) // max(experts, 1))}
         for weights in ("int8", "int4"):
             scheme = WeightScheme.parse(weights)
-            stored = scheme.meta_tensors(layer, scheme.fitting(targets))
-            formats[weights] = FormatCosts(aligned(sum(t.nbytes for t in stored.values())), always,
-                                           formats["stored"].expert_bytes)
-        heads = int(getattr(text, "num_attention_heads", None) or 0)  # none in a state-space model (Mamba, RWKV)
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads) if heads else 0
-        vocab = int(text.vocab_size)
+            fitting = scheme.fitting(targets)
+            stored = scheme.meta_tensors(layer, fitting)
+            codes = [stored[path + ".weight"].nbytes for path in fitting if path + ".weight" in layer]
+            counts = [quantized_weight_count(weights, nbytes) for nbytes in codes]
+            formats[weights] = FormatCosts(
+                aligned(sum(t.nbytes for t in stored.values())), always, formats["stored"].expert_bytes,
+                dense_bytes=dense_weight_bytes(sum(counts), dtype),
+                workspace_bytes=dequantize_workspace(weights, max(counts, default=0), dtype, sum(codes)),
+            )
+        shape = ModelShape.of(config)
         return cls(
             name=name or getattr(config, "_name_or_path", "") or config.model_type, dtype=dtype, layers=len(layer_blocks),
             formats=formats, dense_weights=linear_weights, expert_weights=expert_weights,
             experts=experts if expert_names else 0, experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
-            head_weights=vocab * int(text.hidden_size), attention_width=heads * head_dim,
-            kv_bytes_per_token=kv_bytes_per_token(config, dtype),
-            hidden_size=int(text.hidden_size), intermediate_size=int(getattr(text, "intermediate_size", 0) or 4 * text.hidden_size),
-            vocab_size=vocab,
+            head_weights=shape.vocab * shape.hidden, attention_width=shape.attention_width,
+            kv_bytes_per_token=kv_bytes_per_token(config, dtype), shape=shape,
         )
 
     def expected_experts(self, tokens: int) -> float:

@@ -34,8 +34,8 @@ class ModelSource:
         if (source / MANIFEST).is_file():
             layout = Layout.open(source)
             weights = (layout.manifest.quantization or {}).get("weights", "stored")
-            return cls(str(source), AutoConfig.from_pretrained(layout.side_folder), DTYPES[layout.manifest.dtype], weights,
-                       nearest_existing(path) if path else layout.read_paths[0])
+            return cls(str(source), AutoConfig.from_pretrained(layout.side_folder), DTYPES[layout.manifest.dtype],
+                       weights, nearest_existing(path) if path else layout.read_paths[0])
         folder = resolve_model_folder(source if model is None else model)
         try:
             config = AutoConfig.from_pretrained(folder)

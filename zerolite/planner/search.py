@@ -47,8 +47,8 @@ class Choice:
 def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(), latency: bool = False) -> Choice:
     formats = [pins.weights] if pins.weights else [w for w in WEIGHT_FORMATS if w in costs.formats]
     if pins.weights and pins.weights not in costs.formats:
-        raise ZeroliteError(f"--weights {pins.weights} cannot store this model's layers (int4 needs output widths in multiples "
-                            "of its row block): choose stored or int8")
+        raise ZeroliteError(f"--weights {pins.weights} cannot store this model's layers (int4 needs output widths "
+                            "in multiples of its row block): choose stored or int8")
     batches = [pins.batch_size] if pins.batch_size else ([1] if latency else BATCH_SIZES)
     if job.prompts and not pins.batch_size:  # no batch beyond the job's prompts
         batches = sorted({min(b, job.prompts) for b in batches})
@@ -64,7 +64,8 @@ def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(),
                         every.append(predict(costs, hardware, candidate, job))
     tried = [p for p in every if p.fits(hardware)]
     if not tried:
-        raise ZeroliteError(cannot_fit(costs, hardware, job, formats) if pins == Pins() else pinned_too_big(every, hardware))
+        raise ZeroliteError(cannot_fit(costs, hardware, job, formats) if pins == Pins()
+                            else pinned_too_big(every, hardware))
 
     def rank(p: Prediction):
         c = p.candidate
@@ -109,7 +110,7 @@ def steps(layers: int) -> list[int]:
 
 def pinned_too_big(every: list[Prediction], hardware: Hardware) -> str:
     """What the smallest policy the pins allow needs, against what the machine has."""
-    least = min(every, key=lambda p: (max(p.host_bytes - hardware.host_ram, 0) + max(p.gpu_bytes - hardware.gpu_ram, 0)))
+    least = min(every, key=lambda p: max(p.host_bytes - hardware.host_ram, 0) + max(p.gpu_bytes - hardware.gpu_ram, 0))
     c = least.candidate
     needs = [f"{least.host_bytes / 1e9:.1f} GB of host memory ({hardware.host_ram / 1e9:.1f} GB is free)"]
     if hardware.gpu:
@@ -131,5 +132,5 @@ def cannot_fit(costs: ModelCosts, hardware: Hardware, job: Job, formats: list[st
         where.append(f"{least.host_bytes / 1e9:.1f} GB of host memory ({hardware.host_ram / 1e9:.1f} GB is free)")
     quantize = "" if smallest == "int4" or "int4" not in costs.formats else ", or --weights int4"
     return (f"{costs.name} cannot run here even at batch 1 with every layer streamed ({smallest} weights, "
-            f"{costs.formats[smallest].layer_bytes / 1e9:.2f} GB a layer): it needs {' and '.join(where) or 'more memory'}"
-            f"; shorten --prompt-tokens/--new-tokens{quantize}")
+            f"{costs.formats[smallest].layer_bytes / 1e9:.2f} GB a layer): "
+            f"it needs {' and '.join(where) or 'more memory'}; shorten --prompt-tokens/--new-tokens{quantize}")

@@ -46,7 +46,8 @@ def rebuilt(text, layers: int):
     per_layer = [key for key, value in fields.items() if isinstance(value, (list, tuple)) and len(value) == count]
     by_index = [key for key, value in fields.items()
                 if key.endswith(("layer_indices", "layer_ids")) and isinstance(value, (list, tuple))]
-    kinds = [tuple(fields[key][i] for key in per_layer) + tuple(i in fields[key] for key in by_index) for i in range(count)]
+    kinds = [tuple(fields[key][i] for key in per_layer) + tuple(i in fields[key] for key in by_index)
+             for i in range(count)]
     kept = chosen(kinds, layers)
     for key in per_layer:
         fields[key] = [fields[key][i] for i in kept]
@@ -59,7 +60,8 @@ def rebuilt(text, layers: int):
     if count_key in fields:  # else the count follows the per-layer list just cut (NemotronH's layers_block_type)
         fields[count_key] = len(kept)
     fields[text.attribute_map.get("vocab_size", "vocab_size")] = PROBE_VOCAB
-    small = type(text)(**{key: value for key, value in fields.items() if key not in ("model_type", "transformers_version")})
+    small = type(text)(**{key: value for key, value in fields.items()
+                          if key not in ("model_type", "transformers_version")})
     every, alike = Counter(kinds), Counter(kinds[i] for i in kept)
     return small, [every[kinds[i]] / alike[kinds[i]] / count for i in kept]
 

@@ -20,12 +20,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from zerolite.generate.stats import speculation_dict
-from zerolite.layout.manifest import DTYPES
 from zerolite.layout.read_pass import read_pass
 from zerolite.lm import OffloadedLM
 from zerolite.openmp import threads_may_spin
 from zerolite.planner.machine import measure_host_to_device
+from zerolite.quant.quantize import fewer_bytes
 from zerolite.runtime.timeline import Span, Timeline
 
 WAITING = 0.15  # compute waiting less than this share of a step is not held up by transfers
@@ -45,7 +44,8 @@ class Report:
     dtype: str                          # the layout's
     weights: str | None                 # "int8" or "int4" where the layers' Linear weights are quantized
     threads_spin: bool                  # torch's OpenMP threads spin while they wait (zerolite.openmp)
-    read_gbps: float | None             # the read-only pass of the streamed blocks, after the run (zerolite.layout.read_pass)
+    read_gbps: float | None             # the read-only pass of the streamed blocks, after the run
+                                        # (zerolite.layout.read_pass)
     h2d_gbps: float | None              # measured: pinned host-to-device copies (CUDA)
     streamed_bytes_per_step: int
     prompt_tokens: int
@@ -58,7 +58,8 @@ class Report:
     wait_s: float                       # per step, compute waiting on bytes (median)
     link_busy: float                    # share of a step with a read (or copy) in flight (median)
     in_flight_bytes: int                # bytes in transfer at once, on average over a step (median)
-    io_s: float                         # per step, streamed bytes at the read-only pass's rate (or the measured copy rate)
+    io_s: float                         # per step, streamed bytes at the read-only pass's rate (or the measured
+                                        # copy rate)
     compute_s: float                    # per step, step minus waiting
     achieved_read_gbps: float | None
     share_of_bound: float               # bound / step: 1.0 when the step is as short as it can be
@@ -114,8 +115,8 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     report.experts = experts
     if before is not None:
         spec = lm.speculator.stats.since(before)
-        report.speculation = {**speculation_dict(spec),
-                              "tokens_per_pass": round((spec.accepted + spec.passes) / spec.passes, 3) if spec.passes else None}
+        tokens_per_pass = round((spec.accepted + spec.passes) / spec.passes, 3) if spec.passes else None
+        report.speculation = {**spec.to_dict(), "tokens_per_pass": tokens_per_pass}
     return report
 
 
@@ -139,8 +140,8 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
     report = Report(
         device=lm.device.name, offload=policy.offload, prefetch_depth=policy.prefetch_depth,
         batch_size=batch_size, new_tokens=new_tokens, dtype=lm.layout.manifest.dtype,
-        weights=(lm.layout.manifest.quantization or {}).get("weights"), threads_spin=threads_may_spin(), read_gbps=read_gbps,
-        h2d_gbps=h2d_gbps, streamed_bytes_per_step=streamed, prompt_tokens=prompt_tokens,
+        weights=(lm.layout.manifest.quantization or {}).get("weights"), threads_spin=threads_may_spin(),
+        read_gbps=read_gbps, h2d_gbps=h2d_gbps, streamed_bytes_per_step=streamed, prompt_tokens=prompt_tokens,
         prefill_s=round(steps[0].duration, 4), prefill_compute_per_token_s=round(prefill_per_token, 6),
         decode_compute_per_token_s=round(decode_per_token, 6),
         slow_prefill=decode_per_token > 0 and prefill_per_token >= SLOW_PREFILL * decode_per_token,
@@ -158,9 +159,9 @@ def analyse(timeline: Timeline, lm: OffloadedLM, streamed: int, read_gbps, h2d_g
         report.advice.append(f"int4's CPU kernel runs only with bf16 activations, so this {report.dtype} layout "
                              "dequantises every int4 weight at every step: convert with --dtype bf16 --weights int4")
     if report.threads_spin and lm.plan.on_disk:
-        report.advice.append("torch's OpenMP threads spin while they wait and take the cores the reads need (torch was "
-                             "loaded before zerolite could set OMP_WAIT_POLICY=PASSIVE): import zerolite first, or set it "
-                             "in the environment")
+        report.advice.append("torch's OpenMP threads spin while they wait and take the cores the reads need (torch "
+                             "was loaded before zerolite could set OMP_WAIT_POLICY=PASSIVE): import zerolite first, or "
+                             "set it in the environment")
     return report
 
 
@@ -182,7 +183,8 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
         else:
             r.advice.append("nothing is streamed: only a faster device or a smaller dtype shortens the step")
         return
-    rate = r.achieved_read_gbps / r.link_busy / transfer_gbps if transfer_gbps and r.achieved_read_gbps and r.link_busy else 1.0
+    rate = (r.achieved_read_gbps / r.link_busy / transfer_gbps
+            if transfer_gbps and r.achieved_read_gbps and r.link_busy else 1.0)
     too_few = rate < FULL and r.in_flight_bytes < queue_bytes
     source = "the read-only pass's" if link == "disk" else "the measured"
     bound = f"{source} {transfer_gbps or 0:.2f} GB/s"
@@ -194,42 +196,30 @@ def judge(r: Report, transfer_gbps: float | None, link: str, queue_bytes: int) -
             bigger = int(r.batch_size * r.io_s / r.compute_s)
             if bigger > r.batch_size:
                 r.verdict += f"; a batch of {bigger} would cost nothing more per step"
-                r.advice.append(f"raise --batch-size towards {bigger}: compute ({r.compute_s:.3f} s) hides under the {link} ({r.io_s:.3f} s) until then")
+                r.advice.append(f"raise --batch-size towards {bigger}: compute ({r.compute_s:.3f} s) hides under "
+                                f"the {link} ({r.io_s:.3f} s) until then")
         if advice := fewer_bytes(r.dtype, r.weights):
             r.advice.append(advice)
-        r.advice.append("or keep more layers where they need no read: a larger --cpu-memory (host) or --gpu-memory (GPU) "
-                        "budget, each layer kept saves its transfer")
+        r.advice.append("or keep more layers where they need no read: a larger --cpu-memory (host) or --gpu-memory "
+                        "(GPU) budget, each layer kept saves its transfer")
         if r.device.startswith("cuda"):
-            r.advice.append("if a larger batch does not fit on the GPU, --kv-offload 0.5 keeps half the K/V cache in host memory")
+            r.advice.append("if a larger batch does not fit on the GPU, --kv-offload 0.5 keeps half the K/V cache in "
+                            "host memory")
         return
     r.bottleneck = "prefetch"
     if r.link_busy >= BUSY:
         r.verdict = (
-            f"prefetch-starved: compute waits {r.wait_s:.3f} s of each {r.decode_step_s:.3f} s step while too few bytes are "
-            f"in flight ({r.in_flight_bytes / 1e6:.0f} MB on average) to use the {link}: {rate:.0%} of {bound}"
+            f"prefetch-starved: compute waits {r.wait_s:.3f} s of each {r.decode_step_s:.3f} s step while too few "
+            f"bytes are in flight ({r.in_flight_bytes / 1e6:.0f} MB on average) to use the {link}: "
+            f"{rate:.0%} of {bound}"
         )
     else:
         r.verdict = (
             f"prefetch-starved: compute waits {r.wait_s:.3f} s of each {r.decode_step_s:.3f} s step while the {link} "
             f"is idle {1 - r.link_busy:.0%} of it: reads start too late"
         )
-    r.advice.append(f"raise --prefetch-depth to {max(r.prefetch_depth + 1, 2 * r.prefetch_depth)}, so that more blocks are read while one computes")
-
-
-def fewer_bytes(dtype: str, weights: str | None) -> str | None:
-    """What moves fewer bytes per step than this layout: 4- or 8-bit weights, and for a 32-bit
-    layout a 16-bit one too (never what the layout is already)."""
-    size = DTYPES[dtype].itemsize
-    if weights == "int4":
-        return None
-    # int4's bytes per weight at the default group of 64: half a byte, and a 16-bit scale and zero point per group
-    int4 = f"int4 weights (zerolite convert MODEL --weights int4) read about {(0.5 + 4 / 64) / (1 if weights else size):.2f}x"
-    if weights == "int8":
-        return f"move fewer bytes: {int4} of this int8 layout's"
-    advice = f"move fewer bytes: {int4} of this {dtype} layout's, int8 weights (--weights int8) {1 / size:.2f}x"
-    if size > 2:
-        advice += "; a bf16 layout (zerolite convert MODEL --dtype bf16) reads 0.5x"
-    return advice
+    r.advice.append(f"raise --prefetch-depth to {max(r.prefetch_depth + 1, 2 * r.prefetch_depth)}, "
+                    "so that more blocks are read while one computes")
 
 
 def judge_prefill(r: Report) -> None:
@@ -242,8 +232,8 @@ def judge_prefill(r: Report) -> None:
     r.verdict += (f"; prefill is slow for its size: {r.prefill_compute_per_token_s * 1e3:.1f} ms of compute per token "
                   f"({r.batch_size} x {r.prompt_tokens} tokens), {times:.1f}x decode's "
                   f"{r.decode_compute_per_token_s * 1e3:.1f} ms per sequence")
-    r.advice.append("the prefill runs some layer on a slow kernel (torch's CPU linear on a strided 16-bit input is one): "
-                    "the prefill step's compute spans in --trace show which")
+    r.advice.append("the prefill runs some layer on a slow kernel (torch's CPU linear on a strided 16-bit input is "
+                    "one): the prefill step's compute spans in --trace show which")
 
 
 def covered(spans: list[Span], outer: Span) -> float:

@@ -1,7 +1,7 @@
 """A timeline for people: Chrome trace JSON (Perfetto, chrome://tracing) and a PNG picture.
 
-One track each for steps, reads, the host's waits for reads (on a GPU), copies, compute's waits, compute and a draft's guesses, in that order, time in milliseconds
-from the first span.
+One track each for steps, reads, the host's waits for reads (on a GPU), copies, compute's waits,
+compute and a draft's guesses, in that order, time in milliseconds from the first span.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def plot_timeline(timeline: Timeline, path: Path, title: str, subtitle: str, las
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ZeroliteError("--plot needs matplotlib: pip install 'zerolite[plot]' (or pip install matplotlib)") from None
+        raise ZeroliteError("--plot needs matplotlib: "
+                            "pip install 'zerolite[plot]' (or pip install matplotlib)") from None
     steps = timeline.on("step")[-last_steps:]
     if not steps:
         raise ZeroliteError("nothing ran, so there is nothing to plot")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerolite import memory_model
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
 from zerolite.layout.manifest import DTYPES, Manifest, TensorEntry
@@ -272,8 +273,8 @@ def quantized_weights(manifest: Manifest, name: str) -> list[TensorEntry]:
 
 
 def weight_count(manifest: Manifest, tensor: TensorEntry) -> int:
-    """How many weights a quantized tensor holds (int4 packs two a byte)."""
-    return tensor.nbytes * (2 if manifest.quantization["weights"] == "int4" else 1)
+    """How many weights a quantized tensor holds."""
+    return memory_model.quantized_weight_count(manifest.quantization["weights"], tensor.nbytes)
 
 
 def quantized_modules(model: nn.Module, manifest: Manifest, names) -> list[QuantizedLinear]:
@@ -298,26 +299,19 @@ def dequantize_resident(model: nn.Module, manifest: Manifest, names) -> None:
 
 def dense_bytes(manifest: Manifest, name: str) -> int:
     """The bytes a block's quantized weights take dequantised, in the layout's dtype."""
-    itemsize = DTYPES[manifest.dtype].itemsize
-    return sum(weight_count(manifest, tensor) for tensor in quantized_weights(manifest, name)) * itemsize
+    weights = sum(weight_count(manifest, tensor) for tensor in quantized_weights(manifest, name))
+    return memory_model.dense_weight_bytes(weights, DTYPES[manifest.dtype])
 
 
 def dequantize_workspace(manifest: Manifest) -> int:
-    """The most device memory streamed quantized layers take for their matmuls on a GPU: the
-    scratch buffer (the largest weight in the layout's dtype) with the temporaries of one weight's
-    dequantisation (int8: none past the scratch; int4: its nibbles, a byte a weight) or of its
-    packing for the fused kernel (the unpacked codes and their pairs, under 2 + itemsize bytes a
-    weight), counted as 1 + 2 * itemsize bytes a weight for int4 and 2 * itemsize for int8; and
-    for int4 the fused kernel's packings a layer keeps while it runs, as large as its weights."""
+    """The most device memory the layout's streamed quantized layers take for their matmuls on a
+    GPU (zerolite.memory_model.dequantize_workspace), from its largest weight and largest layer."""
     if manifest.quantization is None:
         return 0
-    itemsize = DTYPES[manifest.dtype].itemsize
-    int4 = manifest.quantization["weights"] == "int4"
-    per_weight = 1 + 2 * itemsize if int4 else 2 * itemsize
-    counts = [weight_count(manifest, tensor) for block in manifest.blocks for tensor in quantized_weights(manifest, block.name)]
-    packings = max((sum(t.nbytes for t in quantized_weights(manifest, block.name)) for block in manifest.blocks),
-                   default=0) if int4 else 0
-    return max(counts, default=0) * per_weight + packings
+    blocks = [quantized_weights(manifest, block.name) for block in manifest.blocks]
+    largest = max((weight_count(manifest, tensor) for tensors in blocks for tensor in tensors), default=0)
+    packed = max((sum(tensor.nbytes for tensor in tensors) for tensors in blocks), default=0)
+    return memory_model.dequantize_workspace(manifest.quantization["weights"], largest, DTYPES[manifest.dtype], packed)
 
 
 def check_packing(scheme: WeightScheme) -> None:

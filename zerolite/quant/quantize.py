@@ -36,6 +36,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from zerolite.errors import ZeroliteError
+from zerolite.layout.manifest import DTYPES
+from zerolite.memory_model import quantized_bytes_per_weight
 from zerolite.quant.int4_packing import (
     ROW_MULTIPLE,
     Int4Packing,
@@ -302,3 +304,20 @@ def linear_shape(module: nn.Module) -> LinearShape | None:
     if isinstance(module, Conv1D):
         return LinearShape(module.nf, module.weight.shape[0], transposed=True)
     return None
+
+
+def fewer_bytes(dtype: str, weights: str | None) -> str | None:
+    """What moves fewer bytes per step than a layout of dtype and weights (profile's advice): 4- or
+    8-bit weights, and for a 32-bit layout a 16-bit one too (never what the layout is already)."""
+    if weights == "int4":
+        return None
+    size = DTYPES[dtype].itemsize
+    int8, int4 = (quantized_bytes_per_weight(w, DTYPES[dtype], DEFAULT_GROUP_SIZE) for w in ("int8", "int4"))
+    now = int8 if weights else size  # bytes a weight of this layout
+    smaller = f"int4 weights (zerolite convert MODEL --weights int4) read about {int4 / now:.2f}x"
+    if weights == "int8":
+        return f"move fewer bytes: {smaller} of this int8 layout's"
+    advice = f"move fewer bytes: {smaller} of this {dtype} layout's, int8 weights (--weights int8) {int8 / size:.2f}x"
+    if size > 2:
+        advice += "; a bf16 layout (zerolite convert MODEL --dtype bf16) reads 0.5x"
+    return advice

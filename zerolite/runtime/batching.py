@@ -1,35 +1,55 @@
-"""--batch-size auto: the largest batch whose K/V cache and activations fit in the memory the
-weights left, since one pass over the weights serves the whole batch.
+"""The batch size: the one asked for, or (--batch-size auto) the largest batch whose K/V cache and
+activations fit in the memory the weights left, since one pass over the weights serves the whole batch.
 
-    batch = largest_batch(lm, prompt_tokens=[12, 40, 7], max_new_tokens=64)
+    batch = decide_batch_size(None, fits=lambda: largest_batch(lm, prompt_tokens=[12, 40, 7], max_new_tokens=64))
 
 The estimate is deliberately simple and errs large: K/V for every position of the longest prompt
-plus every new token, and the prefill's activations (the widest moment of a run) with attention
-scores materialised in fp32, as the eager and math attention paths do.
+plus every new token, and the prefill's activations (the widest moment of a run), both as
+zerolite.memory_model counts them, the planner's cost model alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import psutil
+from transformers import DynamicCache
 
 from zerolite.errors import ZeroliteError
-from zerolite.runtime.kv_cache import kv_bytes_per_token, offloaded_share
+from zerolite.memory_model import ModelShape, kv_bytes_per_token, kv_bytes_per_token_by_layer, prefill_activation_bytes
+from zerolite.runtime.kv_cache import host_layers
 
 MARGIN = 0.10         # of the free memory, kept for the allocator's fragmentation and everything unforeseen
 MAX_BATCH = 4096
 
 
+def decide_batch_size(asked: int | None, drafting: bool = False, planned: int | None = None,
+                      fits: Callable[[], int] | None = None) -> int | None:
+    """The one place a job's batch size is decided, from what is known so far:
+
+    1. drafting (speculative decoding, which is for one sequence): 1
+    2. asked (the batch size given; None: auto): that
+    3. auto: the largest batch the memory holds (fits(), once the model is loaded: largest_batch's),
+       at most the planner's choice for the job (planned); None before the model is loaded
+    """
+    if drafting:
+        return 1
+    if asked is not None:
+        return asked
+    if fits is None:
+        return None
+    return min(fits(), planned or MAX_BATCH)
+
+
 def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     """The largest batch, up to the number of prompts, that fits where the plan runs."""
-    config = lm.model.config.get_text_config(decoder=True)
+    config = lm.model.config
     dtype = lm.model.dtype
     longest = max(prompt_tokens)
     length = longest + max_new_tokens
-    kv_offload = offloaded_share(lm.config, lm.policy.kv_offload) if lm.policy.kv_offload else 0.0
+    kv_offload = host_kv_share(config, lm.policy.kv_offload, dtype) if lm.policy.kv_offload else 0.0
     kv = kv_bytes_per_token(config, dtype) * length                      # per sequence
-    hidden = config.hidden_size
-    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    activations = longest * (6 * hidden + 3 * intermediate) * dtype.itemsize + (getattr(config, "num_attention_heads", None) or 0) * longest * longest * 4
+    activations = prefill_activation_bytes(ModelShape.of(config), longest, dtype)
 
     host_free = psutil.virtual_memory().available * (1 - MARGIN)
     if lm.device.separate_memory:
@@ -51,3 +71,13 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
             f"{device_free / 1e9:.2f} GB is free; lower `max_new_tokens`, use `kv_offload`, or keep fewer blocks resident"
         )
     return max(1, min(fits, len(prompt_tokens), MAX_BATCH))
+
+
+def host_kv_share(config, fraction: float, dtype) -> float:
+    """The share of the K/V cache's bytes that a PartialOffloadCache of this fraction keeps in host
+    memory: its layers' share of the bytes, not of the layers, which a hybrid's state-space layers
+    (none of them offloaded, and holding no K/V) would dilute."""
+    per_layer = kv_bytes_per_token_by_layer(config, dtype)
+    text = config.get_text_config(decoder=True)
+    offloaded = host_layers(DynamicCache(config=text).layers, fraction)
+    return sum(per_layer[i] for i in offloaded) / sum(per_layer) if sum(per_layer) else 0.0

@@ -283,17 +283,3 @@ def offloaded_share(config: PretrainedConfig, fraction: float) -> float:
     layers = DynamicCache(config=config).layers
     return len(host_layers(layers, fraction)) / len(layers) if layers else 0.0
 
-
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
-    """Bytes of K/V one token adds to the cache, over the layers that attend (a sliding window's
-    counted in full: at most). A state-space, recurrent or linear-attention layer keeps a state
-    whose size the tokens do not change, and a model with no attention heads (mamba, rwkv) none."""
-    text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_attention_heads", None)
-    if not heads:
-        return 0
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    layers = DynamicCache(config=text).layers
-    attending = sum(isinstance(layer, DynamicLayer) for layer in layers) if layers else text.num_hidden_layers
-    return 2 * attending * kv_heads * head_dim * dtype.itemsize

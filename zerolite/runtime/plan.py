@@ -8,21 +8,20 @@ host budget holds them, else from the layout on disk.
 On a GPU the device's tier takes layers spread among the streamed ones, so that the copy engine
 always has a streamed layer to fetch while resident ones compute: the ring reads ahead only
 prefetch_depth - 1 blocks that need a transfer, and a run of resident layers that computes longer
-than those copies take leaves the link idle (at 5120 rows a step, four 70B layers resident first
-of eight kept an H100's link 83% busy on the timed simulated GPU, spread 100%: tests/test_timed_device.py).
+than those copies take leaves the link idle (tests/test_timed_device.py).
 Elsewhere (a CPU, whose device tier is host memory, and a mixture's layers read per expert) the
 device's tier takes the first layers. Host memory's takes the next streamed ones. Where the device computes from
 host memory (a CPU), the layers read from disk are spread evenly among those held there, so that
 the disk reads the next one while the held ones between compute: the executor reads ahead counting
 only blocks that need a transfer, and a ring of a few slots cannot cover a long run of held layers
-(a 26 GB model holding 31 of its 40 layers idled its disk through them, a step 1.5x its bound).
+(the disk would idle through them).
 Where host memory is apart from the device's (a GPU), host-tier layers take slots and copies too,
 and the disk's layers stay one contiguous stretch of the layout, read in order into staging
 buffers apart from the ring as soon as one is free, from the step before (zerolite.runtime.slots):
-spread among the held ones with the ring's own two host buffers, each read waited for the copy
-out of its buffer (a step of 1.11 s against 0.98 as one stretch, four of eight layers on disk on
-the timed simulated H100). So do a mixture's layers read per expert, each of which guesses the next
-one's experts (zerolite.moe.routing).
+spread among the held ones with the ring's own two host buffers, each read would wait for the copy
+out of its buffer. So do a mixture's layers read per expert, each of which guesses the next one's
+experts (zerolite.moe.routing). The figures behind each choice: docs/design-figures.md, under
+zerolite/runtime/plan.py.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         Gauge("zerolite_bytes_read", "Bytes the steps have streamed from disk", registry=r).set_function(bytes_read)
         self._recent: deque[tuple[float, int]] = deque()   # (end of step, tokens it generated)
-        self._lock = threading.Lock()  # the engine appends while a scrape reads
+        self._lock = threading.Lock()  # the decode loop appends while a scrape reads
         self.tokens_per_s.set_function(self._rate)
 
     def step(self, seconds: float, generated: int) -> None:

@@ -3,10 +3,10 @@
     body = parse(ChatRequest, raw_json)            # BadRequest: one line saying what is wrong
     check_model(body, served)                      # the model asked for is the one served
     prompt = chat_prompt(body, served)             # token ids (completion_prompts: a list per prompt)
-    seqs = sequences(body, [prompt], served, asked_max, default_max=None)  # one per choice, for the engine
+    seqs = sequences(body, [prompt], served, asked_max, default_max=None)  # one per choice, for the decode loop
     usage(...), error_body(...), model_card(...)   # pieces of the JSON objects OpenAI's clients expect
 
-The answers and stream chunks themselves are put together in zerolite.serve.app.
+The answers are put together in zerolite.serve.app, the stream chunks in zerolite.serve.streaming.
 
 A parameter OpenAI defines that would change the answer and that zerolite does not do (logprobs,
 tools, logit_bias, ...) is refused by name rather than silently ignored; an unknown one is
@@ -27,13 +27,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from zerolite.sampling import Sampling
-from zerolite.serve.engine_loop import Sequence
+from zerolite.serve.decode_loop import Sequence
 from zerolite.serve.text_stream import TextStream
 from zerolite.serve.token_choice import TokenChoice
 from zerolite.text import PromptError, check_ids, encode_chat, encode_text
 
 MAX_N = 16                 # choices per request
 MAX_STOPS = 4              # stop strings per request, as OpenAI allows
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
+               503: "server_error"}  # OpenAI's error "type" by HTTP status; other 4xx: invalid_request_error
 GREEDY_BELOW = 1e-5        # a temperature this low is greedy (dividing by it would overflow the logits to inf)
 # What the client should do instead, by text.PromptError's code.
 FIXES = {
@@ -293,7 +295,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
+def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error object for an answer of HTTP status."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 

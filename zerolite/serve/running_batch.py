@@ -44,7 +44,7 @@ from zerolite.text import pad_id
 @dataclass(eq=False)
 class Row:
     pending: list[int]               # tokens still to feed: the prompt's rest, then the last one chosen
-    owner: object = None             # whatever the caller tracks the row by (the engine's Sequence)
+    owner: object = None             # whatever the caller tracks the row by (the decode loop's Sequence)
     fed: int = field(default=0, init=False)  # tokens already in the cache
 
 

@@ -5,8 +5,8 @@
 
 The socket is bound before anything else starts, so a port in use is one clear error. On SIGTERM
 or SIGINT the server stops accepting connections and requests, what is in flight has
-drain_timeout_s to finish and is then answered with an error, and the engine and the model are
-released; a second signal stops at once.
+drain_timeout_s to finish and is then answered with an error, and the decode loop and the model
+are released; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import uvicorn
 
 from zerolite.errors import ZeroliteError
 from zerolite.runtime.batching import largest_batch
-from zerolite.serve.app import build_app, is_loopback
-from zerolite.serve.engine_loop import EngineLoop
+from zerolite.serve.app import build_app
+from zerolite.serve.decode_loop import DecodeLoop
 from zerolite.serve.metrics import ServeMetrics
 from zerolite.serve.protocol import ServedModel
+from zerolite.serve.request_guards import is_loopback
 from zerolite.serve.running_batch import cache_columns_limit
 from zerolite.serve.step_budget import START as STEP_BUDGET_START
 from zerolite.text import context_length, end_token_ids
@@ -114,48 +115,48 @@ def auto_batch(lm, served: ServedModel, step_tokens: int | None) -> int:
 
 def run_server(server: DrainingServer, settings: ServeSettings, sock: socket.socket, announce=print) -> None:
     """Serves until a signal, then drains (see the module's docstring)."""
-    server.engine.start()
+    server.decode_loop.start()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     announce(f"zerolite serve: {server.served.name} on http://{host}:{sock.getsockname()[1]}/v1 "
-             f"(up to {server.engine.max_batch} sequences per step, {server.served.context} tokens each)")
+             f"(up to {server.decode_loop.max_batch} sequences per step, {server.served.context} tokens each)")
     try:
         server.run(sockets=[sock])
     finally:
-        server.engine.close()
+        server.decode_loop.close()
 
 
 def build_server(lm, settings: ServeSettings, model: str | None) -> DrainingServer:
-    """The server, its engine not started yet."""
+    """The server, its decode loop not started yet."""
     served = served_model(lm, settings, model)
     max_batch = settings.max_batch or auto_batch(lm, served, settings.step_tokens)
     metrics = ServeMetrics(lambda: lm.bytes_read)
-    engine = EngineLoop(lm, max_batch, settings.max_queue, settings.step_tokens, metrics)
+    decode_loop = DecodeLoop(lm, max_batch, settings.max_queue, settings.step_tokens, metrics)
     local_only = settings.api_key is None and not settings.insecure
-    app = build_app(engine, served, metrics, settings.api_key, settings.max_request_bytes, local_only)
+    app = build_app(decode_loop, served, metrics, settings.api_key, settings.max_request_bytes, local_only)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(settings.drain_timeout_s + GRACE_S),
                             lifespan="off")
-    return DrainingServer(config, engine, served, settings.drain_timeout_s)
+    return DrainingServer(config, decode_loop, served, settings.drain_timeout_s)
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, whose exit on a signal first tells the engine to drain."""
+    """uvicorn's server, whose exit on a signal first tells the decode loop to drain."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineLoop, served: ServedModel, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, decode_loop: DecodeLoop, served: ServedModel, drain_timeout_s: float):
         super().__init__(config)
-        self.engine = engine
+        self.decode_loop = decode_loop
         self.served = served
         self.drain_timeout_s = drain_timeout_s
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit:
             self.force_exit = True  # a second signal, of either kind: stop now (uvicorn's own does so for SIGINT only)
-        self.engine.drain(self.drain_timeout_s)
+        self.decode_loop.drain(self.drain_timeout_s)
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
         """As uvicorn's, less its raising the signal again once shut down: that would kill the
-        process before the engine and the model are released. zerolite exits normally instead."""
+        process before the decode loop and the model are released. zerolite exits normally instead."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return

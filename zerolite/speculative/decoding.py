@@ -42,6 +42,17 @@ class SpeculationStats:
     def since(self, before: SpeculationStats) -> SpeculationStats:
         return SpeculationStats(*(getattr(self, f) - getattr(before, f) for f in self.__dataclass_fields__))
 
+    def to_dict(self) -> dict:
+        """What generate's --stats-json and profile's report say of the guesses."""
+        return {
+            "draft_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            # guesses kept / guesses made (a guess after the first miss of a round counts as not kept)
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "draft_s": round(self.draft_s, 4),
+            "target_s": round(self.target_s, 4),
+        }
+
 
 class DraftLength:
     """The draft length worth the most tokens per second, from measured acceptance and costs.

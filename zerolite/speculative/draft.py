@@ -46,9 +46,11 @@ def draft_layout(spec: str, target: Layout, group_size: int | None, show_progres
     group_size = (group_size or DRAFT_GROUP_SIZE) if weights == "int4" else None
     own = target.manifest.quantization or {}
     if own.get("weights") == weights and own.get("group_size") == group_size:
-        raise ZeroliteError(f"the target layout is {spec.removeprefix('self-')} already, so `draft` {spec} would be "
-                            "the target itself: draft with a smaller model (`draft` PATH), or stream it without `draft`")
-    folder = target.folder.with_name(f"{target.folder.name}-draft-{weights}" + (f"-g{group_size}" if group_size else ""))
+        raise ZeroliteError(f"the target layout is {spec.removeprefix('self-')} already, so `draft` {spec} would "
+                            "be the target itself: draft with a smaller model (`draft` PATH), or stream it without "
+                            "`draft`")
+    folder = target.folder.with_name(f"{target.folder.name}-draft-{weights}"
+                                     + (f"-g{group_size}" if group_size else ""))
     convert(target.manifest.source["model"], folder, dtype="bf16", weights=weights, group_size=group_size,
             show_progress=show_progress)
     return folder
@@ -70,9 +72,9 @@ def check_draft_fits(draft: Layout, device: Device) -> None:
     needed = draft.manifest.nbytes(block.name for block in draft.manifest.blocks)
     left, where = memory_left(device)
     if needed > left:
-        raise ZeroliteError(f"the draft {draft.folder} holds {needed / 1e9:.2f} GB, more than the {left / 1e9:.2f} GB of "
-                            f"{where} left beside the model's run: draft with a smaller model, or with self-int4 "
-                            "(about a quarter of bf16's bytes)")
+        raise ZeroliteError(f"the draft {draft.folder} holds {needed / 1e9:.2f} GB, more than the "
+                            f"{left / 1e9:.2f} GB of {where} left beside the model's run: draft with a smaller model, "
+                            "or with self-int4 (about a quarter of bf16's bytes)")
 
 
 def memory_left(device: Device) -> tuple[int, str]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from simulated_device import SimulatedDevice, SimulatedEvent, SimulatedStream
+from support.simulated_device import SimulatedDevice, SimulatedEvent, SimulatedStream
 from zerolite.io.engine import IoEngine
 
 SCALARS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
@@ -119,7 +119,8 @@ class TimedDevice(SimulatedDevice):
                 self._launched.popleft()
             if len(self._launched) >= self.launch_queue:
                 self._wait_for(self._launched[-self.launch_queue], "launch")
-        self._queue(COMPUTE, self.compute, max(flops / (self.rates.tflops * 1e12), nbytes / (self.rates.memory_gbps * 1e9)))
+        self._queue(COMPUTE, self.compute,
+                    max(flops / (self.rates.tflops * 1e12), nbytes / (self.rates.memory_gbps * 1e9)))
         if self.launch_queue is not None:
             self._launched.append(self._ends[COMPUTE])
 
@@ -173,7 +174,8 @@ class TimedDevice(SimulatedDevice):
         def timed_submit(engine, path, dst, file_offset=0):
             ticket = submit(engine, path, dst, file_offset)
             start = max(device.now, device._engine_free[DISK])
-            device._engine_free[DISK] = device._reads[ticket] = start + dst.nbytes * device.disk_scale / (device.rates.disk_gbps * 1e9)
+            read_s = dst.nbytes * device.disk_scale / (device.rates.disk_gbps * 1e9)
+            device._engine_free[DISK] = device._reads[ticket] = start + read_s
             device.work[DISK].append((start, device._engine_free[DISK]))
             return ticket
 

@@ -1,9 +1,9 @@
-"""The engine loop of zerolite serve: the one thread that calls the model while serving.
+"""The decode loop of zerolite serve: the one thread that calls the model while serving.
 
-    engine = EngineLoop(lm, max_batch=16, max_queue=64, step_tokens=None, metrics=metrics)  # None: auto
-    engine.start()
-    engine.submit(Request(sequences, asyncio.get_running_loop()))   # from the web server's loop
-    event = await request.events.get()                                # Tokens, Finished or Failed
+    decode_loop = DecodeLoop(lm, max_batch=16, max_queue=64, step_tokens=None, metrics=metrics)  # None: auto
+    decode_loop.start()
+    decode_loop.submit(Request(sequences, asyncio.get_running_loop()))   # from the web server's loop
+    event = await request.events.get()                                     # Tokens, Finished or Failed
 
 Each turn of the loop:
 1. drops the sequences whose clients went away, waiting or running;
@@ -11,7 +11,7 @@ Each turn of the loop:
 3. runs one step: one pass over the weights for every row, prefill chunks and decodes alike;
 4. picks each finished row's next token, sends it to its client, and lets the rows that are done leave.
 
-Requests arrive on the web server's event loop and hear back through it: the engine posts
+Requests arrive on the web server's event loop and hear back through it: the decode loop posts
 events with call_soon_threadsafe, and reads nothing of the requests but their cancelled flag.
 """
 
@@ -101,7 +101,7 @@ class ShuttingDown(Exception):
     pass
 
 
-class EngineLoop:
+class DecodeLoop:
     def __init__(self, lm, max_batch: int, max_queue: int, step_tokens: int | None, metrics: ServeMetrics):
         """step_tokens: the most tokens a step computes over the batch; None: as many as hide
         under the step's reads (zerolite.serve.step_budget)."""
@@ -117,7 +117,7 @@ class EngineLoop:
         self._deadline: float | None = None    # while draining: when what is left is cancelled
         self._stopped = False
         self._step_s = 1.0                      # a running average, for Retry-After
-        self._thread = threading.Thread(target=self._run, name="zerolite-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="zerolite-decode", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -133,7 +133,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        """The loop's thread runs (a server whose engine died answers /health with 503)."""
+        """The loop's thread runs (a server whose decode loop died answers /health with 503)."""
         return self._thread.is_alive()
 
     @property
@@ -155,7 +155,7 @@ class EngineLoop:
             self._wake.notify()
 
     def wake(self) -> None:
-        """A request was cancelled: an idle-looking engine takes note now rather than at its next step."""
+        """A request was cancelled: an idle-looking loop takes note now rather than at its next step."""
         with self._wake:
             self._wake.notify()
 

@@ -25,7 +25,8 @@ MOE_SHAPES = {
     "mixtral": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2),
     "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=24, shared_expert_intermediate_size=48, num_experts=8,
                       num_experts_per_tok=2),
-    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, head_dim=16),
+    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                      head_dim=16),
     "olmoe": dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2),
     # experts transposed, with biases; a router with a bias; sliding-window layers between full ones
     "gpt_oss": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8),
@@ -42,7 +43,8 @@ MOE_SHAPES = {
 }
 # JetMoe's experts (ParallelExperts) are called with token counts, not with the routing: streamed whole.
 WHOLE_MOE_SHAPES = {
-    "jetmoe": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, kv_channels=16, num_key_value_heads=4),
+    "jetmoe": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, kv_channels=16,
+                   num_key_value_heads=4),
     # Llama 4's experts module runs every expert over every token (the unpicked ones on rows scaled to
     # zero by the router), transposed [experts, hidden, 2 x 24] weights, a shared expert beside them:
     # streamed whole.
@@ -120,7 +122,8 @@ def tiny_config(arch: str, layers: int = 3, tie: bool = True, **overrides) -> Pr
     common = dict(vocab_size=VOCAB, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "llama":
         config_class, shape = LlamaConfig, dict(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
-                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                                                num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=256)
     elif arch == "mistral":
         config_class, shape = MistralConfig, dict(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
                                                   num_attention_heads=4, num_key_value_heads=2,
@@ -128,8 +131,9 @@ def tiny_config(arch: str, layers: int = 3, tie: bool = True, **overrides) -> Pr
     elif arch == "bloom":
         config_class, shape = BloomConfig, dict(hidden_size=64, n_layer=layers, n_head=4)
     elif arch == "opt":
-        config_class, shape = OPTConfig, dict(hidden_size=64, ffn_dim=160, num_hidden_layers=layers, num_attention_heads=4,
-                                              max_position_embeddings=256, word_embed_proj_dim=64)
+        config_class, shape = OPTConfig, dict(hidden_size=64, ffn_dim=160, num_hidden_layers=layers,
+                                              num_attention_heads=4, max_position_embeddings=256,
+                                              word_embed_proj_dim=64)
     elif arch == "gpt2":
         config_class, shape = GPT2Config, dict(n_embd=64, n_layer=layers, n_head=4, n_positions=256)
     elif arch in MOE_SHAPES or arch in WHOLE_MOE_SHAPES:

@@ -212,7 +212,8 @@ class BufferRecord:
 
     @staticmethod
     def overwritten(accesses: dict, start: int, end: int) -> None:
-        """Forgets the entries a new write of [start, end) covers whole (the ledger stays as small as the buffer's uses)."""
+        """Forgets the entries a new write of [start, end) covers whole (the ledger stays as small as
+        the buffer's uses)."""
         for key in [key for key in accesses if start <= key[0] and key[1] <= end]:
             del accesses[key]
 
@@ -266,7 +267,8 @@ class SimulatedDevice(Device):
     def _queued_from_here(self) -> None:
         if threading.get_ident() not in self._adopted:
             raise OrderingError(f"device work queued from thread {threading.current_thread().name!r}, which never "
-                                "adopted the device (adopt_thread): on a GPU it would go to that thread's current device")
+                                "adopted the device (adopt_thread): on a GPU it would go to that thread's current "
+                                "device")
 
     # streams and events
 
@@ -345,7 +347,8 @@ class SimulatedDevice(Device):
             self.peak = max(self.peak, self.allocated)
             self.pinned += pinned_cost
             self.peak_pinned = max(self.peak_pinned, self.pinned)
-        weakref.finalize(tensor.untyped_storage(), self._free, address, record, nbytes, pinned_cost)  # with its last view
+        # freed with its last view
+        weakref.finalize(tensor.untyped_storage(), self._free, address, record, nbytes, pinned_cost)
 
     def _free(self, address: int, record: BufferRecord, nbytes: int, pinned_cost: int) -> None:
         """The allocator takes the memory back: a GPU would hand it out again at once, so every use of it
@@ -359,7 +362,8 @@ class SimulatedDevice(Device):
             for (_, _, stream), epoch in [*record.copied_in.items(), *record.copied_out.items()]:
                 if self.host_clock.get(stream, -1) < epoch:
                     self.failures.append(OrderingError(
-                        f"pinned host memory freed while a copy on {stream} may still use it: synchronize that copy first"))
+                        f"pinned host memory freed while a copy on {stream} may still use it: "
+                        "synchronize that copy first"))
                     return
             return
         owner = record.allocated[0]
@@ -443,7 +447,8 @@ class SimulatedDevice(Device):
 
     def _landing(self, dst: torch.Tensor, src: torch.Tensor, delayed: bool):
         delay = self.random.uniform(0, self.max_delay_s) if delayed else 0.0
-        pauses = [self.random.uniform(0, self.max_delay_s / self.chunks) if delayed else 0.0 for _ in range(self.chunks)]
+        pauses = [self.random.uniform(0, self.max_delay_s / self.chunks) if delayed else 0.0
+                  for _ in range(self.chunks)]
 
         def land() -> None:
             time.sleep(delay)
@@ -466,7 +471,8 @@ class SimulatedDevice(Device):
         _, start, end = span
         for (_, _, stream), last in overlapping(record.copied_in, start, end):
             if stream != "compute" and self.compute.clock.get(stream, -1) < last:
-                raise OrderingError(f"compute reads a device buffer before the copy on {stream} that fills it (no wait for its event)")
+                raise OrderingError(f"compute reads a device buffer before the copy on {stream} that fills it "
+                                    "(no wait for its event)")
         epoch = self.compute.epoch()
         BufferRecord.note(record.computed, start, end, "compute", epoch)
         record.used("compute", epoch)
@@ -502,7 +508,8 @@ class SimulatedDevice(Device):
             return
         for (_, _, stream), epoch in overlapping(record.copied_out, span[1], span[2]):
             if self.host_clock.get(stream, -1) < epoch and stream != "compute":
-                raise OrderingError(f"the engine reads into a host buffer while a copy from it on {stream} may be in flight")
+                raise OrderingError(f"the engine reads into a host buffer while a copy from it on {stream} "
+                                    "may be in flight")
 
     def compute_after_copies(self) -> bool:
         """Whether compute is ordered after every copy into device memory queued so far."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import save_tiny_model
+from support.tiny_models import save_tiny_model
 from zerolite.convert.writer import convert
 
 

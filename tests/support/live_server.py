@@ -3,7 +3,7 @@
     with LiveServer(lm, ServeSettings(max_batch=4)) as server:
         httpx.post(server.url + "/v1/completions", json={...})
 
-Leaving stops it as a signal would (drain, then stop) and checks that the engine left no row behind.
+Leaving stops it as a signal would (drain, then stop) and checks that the decode loop left no row behind.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ class LiveServer:
     def __init__(self, lm, settings: ServeSettings = ServeSettings()):
         self.sock = bind("127.0.0.1", 0)
         self.server = build_server(lm, settings, None)
-        self.engine = self.server.engine
+        self.decode_loop = self.server.decode_loop
         self.served = self.server.served
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
-        self.engine.start()
+        self.decode_loop.start()
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.server.started:
@@ -42,7 +42,7 @@ class LiveServer:
             self.wait_idle()  # the test's requests all done, or cancelled: no row left behind
         self.server.handle_exit(None, None)
         self._thread.join(timeout=START_TIMEOUT_S)
-        self.engine.close()
+        self.decode_loop.close()
         self.sock.close()
         assert not self._thread.is_alive(), "the server did not stop"
 

@@ -1,0 +1,126 @@
+"""The model's memory arithmetic, in one place: what its K/V cache, its activations and the
+dequantisation of its quantized weights take, from the model's shape and the weights' format.
+
+    shape = ModelShape.of(config)
+    kv_bytes_per_token_by_layer(config, torch.bfloat16)  # one position of one sequence, layer by layer
+    kv_bytes_per_token(config, torch.bfloat16)           # the same, over every layer
+    prefill_activation_bytes(shape, 512, torch.bfloat16)  # one sequence's widest moment
+
+The runtime (--batch-size auto, budgets, preflight) and the planner (its cost model) both ask here,
+so that the batch the planner chooses is one the runtime lets run. The weights' own bytes in each
+format are what the layout stores (zerolite.quant.quantize's stored_shapes, counted over a meta
+model by zerolite.planner.model_costs, or read from a manifest): not estimated here.
+
+The estimates err large where they cannot be exact: a sliding window's K/V is counted in full, and
+the prefill's attention scores as materialised in fp32, as the eager and math attention paths do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+SCORE_BYTES = 4    # attention scores and logits: fp32, whatever the weights' dtype
+LOGIT_COPIES = 2   # generate's last-position logits in fp32, and the processors' scores made from them
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a model that its memory depends on, read once from its (text) config."""
+    hidden: int
+    intermediate: int         # the MLP's width (4 x hidden where the config names none)
+    heads: int                # query heads (0: a state-space or recurrent model, no attention)
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    growing: tuple[bool, ...]  # per layer: whether its cache grows a position per token (a sliding window's counted)
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> ModelShape:
+        text = config.get_text_config(decoder=True)
+        hidden = int(text.hidden_size)
+        heads = int(getattr(text, "num_attention_heads", None) or 0)
+        if heads:
+            # A state-space, recurrent or linear-attention layer keeps a state whose size the tokens
+            # do not change: only the layers with a growing cache count.
+            layers = DynamicCache(config=text).layers
+            growing = tuple(isinstance(layer, DynamicLayer) for layer in layers) or (True,) * text.num_hidden_layers
+        else:
+            growing = (False,) * text.num_hidden_layers
+        return cls(
+            hidden=hidden, intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden), heads=heads,
+            kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads) if heads else 0,
+            vocab=int(text.vocab_size), growing=growing,
+        )
+
+    @property
+    def attending_layers(self) -> int:
+        return sum(self.growing)
+
+    @property
+    def attention_width(self) -> int:
+        """Query heads x head width: attention's multiplies per position of context, per token."""
+        return self.heads * self.head_dim
+
+
+def kv_bytes_per_token_by_layer(config: PretrainedConfig, dtype: torch.dtype) -> list[int]:
+    """Bytes of K/V one token adds to each layer's cache: none in a state-space, recurrent or
+    linear-attention layer, a sliding window's counted in full (at most)."""
+    shape = ModelShape.of(config)
+    per_layer = 2 * shape.kv_heads * shape.head_dim * dtype.itemsize
+    return [per_layer if grows else 0 for grows in shape.growing]
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    """Bytes of K/V one token adds to the cache, over every layer. A model with no attention heads
+    (mamba, rwkv) adds none."""
+    return sum(kv_bytes_per_token_by_layer(config, dtype))
+
+
+def prefill_activation_bytes(shape: ModelShape, prompt_tokens: int, dtype: torch.dtype) -> int:
+    """One sequence's activations at the prefill, a run's widest moment: the hidden states, the
+    attention's projections and the MLP's three intermediates for each prompt token, the attention
+    scores of every head over the prompt in fp32, and the last position's logits as generate keeps them."""
+    per_token = (6 * shape.hidden + 3 * shape.intermediate) * dtype.itemsize
+    scores = shape.heads * prompt_tokens * prompt_tokens * SCORE_BYTES
+    return prompt_tokens * per_token + scores + LOGIT_COPIES * shape.vocab * SCORE_BYTES
+
+
+def quantized_weight_count(weights: str, nbytes: int) -> int:
+    """How many weights nbytes of a quantized format's codes hold (int4 packs two a byte, a partial
+    last group's padding included: what dequantising them makes)."""
+    return nbytes * (2 if weights == "int4" else 1)
+
+
+def dense_weight_bytes(weights: int, dtype: torch.dtype) -> int:
+    """What quantized weights take dequantised into dtype (a GPU keeps resident ones so)."""
+    return weights * dtype.itemsize
+
+
+def dequantize_workspace(weights: str | None, largest_weight: int, dtype: torch.dtype, packed_layer_bytes: int) -> int:
+    """The most device memory streamed quantized layers take for their matmuls on a GPU: the
+    scratch buffer (the largest weight, largest_weight of them, in dtype) with the temporaries of
+    one weight's dequantisation (int8: none past the scratch; int4: its nibbles, a byte a weight)
+    or of its packing for the fused kernel (the unpacked codes and their pairs, under 2 + itemsize
+    bytes a weight), counted as 1 + 2 * itemsize bytes a weight for int4 and 2 * itemsize for
+    int8; and for int4 the fused kernel's packings a layer keeps while it runs, as large as its
+    quantized weights (packed_layer_bytes, the largest layer's). weights: "int8", "int4", or None
+    for weights stored as they are, which need none."""
+    if weights is None:
+        return 0
+    int4 = weights == "int4"
+    per_weight = 1 + 2 * dtype.itemsize if int4 else 2 * dtype.itemsize
+    return largest_weight * per_weight + (packed_layer_bytes if int4 else 0)
+
+
+def quantized_bytes_per_weight(weights: str, dtype: torch.dtype, group_size: int | None = None) -> float:
+    """What a wide weight takes stored in a quantized format (zerolite.quant.quantize), its scales
+    included: int8 a byte (its scale is one per output row, nothing per weight); int4 half a byte,
+    and a scale and a zero point in dtype per group of group_size input columns."""
+    if weights == "int8":
+        return 1.0
+    return 0.5 + 2 * dtype.itemsize / group_size
