@@ -122,7 +122,7 @@ class OffloadedLM:
         that the next forward starts clean."""
         self.executor.recover()
 
-    def settle(self) -> None:
+    def wait_for_reads(self) -> None:
         """Waits for the reads ahead still in flight (a profile puts them on its timeline too)."""
         self.executor.slots.drain()
 
@@ -152,9 +152,9 @@ class OffloadedLM:
         finally:
             if cache is not None:
                 if returned_cache(output) is cache:
-                    cache.settle()  # the caller has it
+                    cache.wait_for_copies()  # the caller has it
                 else:
-                    cache.release()  # its host buffers serve the next generate
+                    cache.return_host_buffers()  # its host buffers serve the next generate
 
     def close(self) -> None:
         self.executor.close()

@@ -89,7 +89,7 @@ def profile_run(lm: OffloadedLM, timeline: Timeline, batch_size: int, new_tokens
     bytes_before, experts_before = lm.bytes_read, lm.expert_counts()
     lm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    lm.settle()  # the last reads ahead land on the timeline too
+    lm.wait_for_reads()  # the last reads ahead land on the timeline too
     timeline.resolve()
     # Measured after the run, not before: reading the whole layout first can change how fast a
     # virtual disk then serves the run (caches below the guest), which would misjudge the run.

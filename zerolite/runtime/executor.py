@@ -72,7 +72,7 @@ class Executor:
                 yield
         finally:
             self._bindings[name].unbind()
-            self.slots.release(name)
+            self.slots.done_with(name)
 
     def _enter(self, name: str):
         def before(module: nn.Module, args) -> None:

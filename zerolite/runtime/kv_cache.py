@@ -50,7 +50,7 @@ class HostBufferPool:
         return self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes))
 
     def give(self, *buffers: torch.Tensor) -> None:
-        """Buffers no copy reads or writes any more (the caller settled them)."""
+        """Buffers no copy reads or writes any more (the caller waited for their copies)."""
         self._free += buffers
 
 
@@ -164,13 +164,13 @@ class HostLayer(DynamicLayer):
     def _grow(self, length: int) -> None:
         """Lays the K/V out anew in sequence-first host buffers that hold length tokens:
 
-        1. settle: no copy still reads or writes the buffers (nothing is waited for where the
-           running batch settled the layer to change it, at re-batching)
+        1. wait_for_copies: no copy still reads or writes the buffers (nothing is waited for where the
+           running batch waited for the layer's copies to change it, at re-batching)
         2. the layer's own buffers where they hold length tokens at the batch's size now (rows
            joined or left): nothing pinned; else the pool's, with room for twice the tokens
         3. the tokens so far copied in, through a copy of their own where they lie in those buffers
         """
-        self.settle()
+        self.wait_for_copies()
         used = self.keys.shape[-2]
         # keys and values may differ in width: DeepSeek-V3's attention caches its latent and its
         # rotary part as the two
@@ -193,7 +193,7 @@ class HostLayer(DynamicLayer):
         self._buffers, self._pinned = tuple(grown), pinned
         self.keys, self.values = (buffer[:used].permute(1, 2, 0, 3) for buffer in grown)
 
-    def settle(self) -> None:
+    def wait_for_copies(self) -> None:
         """Waits for this layer's appends still on their way to the host, and for a fetch still
         reading the host buffers, before the host copy is read or replaced there; a fetch not yet
         used is dropped."""
@@ -201,30 +201,30 @@ class HostLayer(DynamicLayer):
         for event in (self._appended, self._fetch_done):
             if event is not None:
                 event.synchronize()
-        self._appended = self._fetch_done = None  # seen: the next settle waits for nothing
+        self._appended = self._fetch_done = None  # seen: the next wait_for_copies waits for nothing
 
     def reset(self) -> None:
         """Empties the layer and hands its host buffers back to the pool."""
-        self.settle()
+        self.wait_for_copies()
         if self._pinned is not None:
             self.pool.give(*self._pinned)
         self._buffers = self._pinned = None
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.settle()
+        self.wait_for_copies()
         super().crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.settle()
+        self.wait_for_copies()
         super().reorder_cache(beam_idx.cpu())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.settle()
+        self.wait_for_copies()
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.settle()
+        self.wait_for_copies()
         super().batch_select_indices(indices.cpu())
 
 
@@ -244,14 +244,14 @@ class PartialOffloadCache(DynamicCache):
         for i in host_layers(self.layers, fraction):
             self.layers[i] = HostLayer(device, streams, pool, tokens)
 
-    def settle(self) -> None:
+    def wait_for_copies(self) -> None:
         """Waits for the appends and fetches still in flight: before the host buffers are freed
         (unpinned and unmapped), nothing may still copy into or out of them."""
         for layer in self.layers:
             if isinstance(layer, HostLayer):
-                layer.settle()
+                layer.wait_for_copies()
 
-    def release(self) -> None:
+    def return_host_buffers(self) -> None:
         """The job is done with the cache: its host buffers go back to the pool, for the next one."""
         for layer in self.layers:
             if isinstance(layer, HostLayer):

@@ -4,7 +4,7 @@
     slots.want(["layers.3", "layers.4"]) # reads (and copies) begin; returns at once
     data = slots.wait("layers.3")        # the block's bytes where compute can use them
     ...                                  # run the block
-    slots.release("layers.3")            # its slot may be refilled once compute is done with it
+    slots.done_with("layers.3")          # its slot may be refilled once compute is done with it
 
 A slot holds one block. Its bytes come from its home: a block on disk is read by the engine into
 the slot's host buffer (pinned on a GPU); a block in host memory already has them there. Where the
@@ -176,10 +176,10 @@ class Slots:
         waited for and dropped): the ring's own blocks come first."""
         if not self._staging:
             _, ahead = self._ahead.popitem()
-            self._settle_ahead(ahead)
+            self._drop_ahead(ahead)
         return self._staging.pop()
 
-    def _settle_ahead(self, ahead: Ahead) -> None:
+    def _drop_ahead(self, ahead: Ahead) -> None:
         """Waits for a read ahead no slot took and gives its buffer back; a failed one is only dropped."""
         try:
             self.disk.wait(ahead.ticket)
@@ -288,7 +288,7 @@ class Slots:
             with self.timeline.span("read wait", what) if reading else contextlib.nullcontext():
                 yield
 
-    def release(self, name: str) -> None:
+    def done_with(self, name: str) -> None:
         """Compute is done with the block (on a GPU: once the work queued so far has run)."""
         slot = self._by_block[name]
         slot.in_use = False
@@ -300,12 +300,12 @@ class Slots:
         failed meanwhile is only dropped: nothing will use its bytes, and the error that matters
         (if any) is the one already on its way up."""
         for ahead in self._ahead.values():
-            self._settle_ahead(ahead)
+            self._drop_ahead(ahead)
         self._ahead = {}
         for slot in self._slots:
             if slot.ticket is not None or any(f.ticket is not None for f in slot.experts.values()):
                 try:
-                    self._settle(slot)
+                    self._wait_for_reads(slot)
                 except ZeroliteError:
                     pass
                 self._forget(slot)
@@ -377,7 +377,7 @@ class Slots:
         entry = self.manifest.block(name)
         return entry.dense_length if name in self.per_expert else entry.length
 
-    def _settle(self, slot: Slot) -> None:
+    def _wait_for_reads(self, slot: Slot) -> None:
         """Waits for every read into the slot's host buffer: the block's and its experts'."""
         failure = None
         for ticket in [slot.ticket] + [f.ticket for f in slot.experts.values()]:
@@ -409,7 +409,7 @@ class Slots:
             self.disk.verify(slot.block, slot.host)
 
     def _empty(self, slot: Slot) -> None:
-        self._settle(slot)  # the engine may still be writing into the host buffer
+        self._wait_for_reads(slot)  # the engine may still be writing into the host buffer
         if slot.source is slot.host:  # the engine may not write into the host buffer while a copy reads it
             for copied in [slot.copied] + [f.copied for f in slot.experts.values()]:
                 if copied is not None:

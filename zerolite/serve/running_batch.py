@@ -95,7 +95,7 @@ class RunningBatch:
     def reset(self) -> None:
         """Drops every row (after a failed forward, the cache is not to be trusted)."""
         if isinstance(self.cache, PartialOffloadCache):
-            self.cache.release()  # its host buffers serve the next
+            self.cache.return_host_buffers()  # its host buffers serve the next
         self.rows = []
         self.cache = None
 
@@ -171,8 +171,8 @@ class RunningBatch:
             for layer in self.cache.layers:
                 if not layer.is_initialized:
                     continue
-                if hasattr(layer, "settle"):
-                    layer.settle()  # a host layer: its copies in flight land before its tensors change
+                if hasattr(layer, "wait_for_copies"):
+                    layer.wait_for_copies()  # a host layer: its copies in flight land before its tensors change
                 layer.keys, layer.values = change(layer.keys), change(layer.values)
                 if hasattr(layer, "cumulative_length"):
                     layer.cumulative_length = layer.keys.shape[-2]  # a sliding window's own count of tokens seen
