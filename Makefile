@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PROMPT ?= The capital of France is
 
-.PHONY: demo test test-oldest-transformers bench-io gpu-check gpu-wheels clean
+.PHONY: demo test lint test-oldest-transformers bench-io gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: $(STAMP)
 # (tests/conftest.py). A plain `pytest` runs them one after another.
 test: $(STAMP)
 	$(BIN)/pytest -n auto --dist worksteal
+
+# ruff's checks as pyproject.toml sets them (lines within 120, import order, pyflakes, bugbear); .ci/run runs it.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # The oldest transformers zerolite supports (the GPU machines' image has it; it names the cache `past_key_values`
 # where later releases say `cache`), in a venv of its own layered over .venv: the tests that hand caches and
