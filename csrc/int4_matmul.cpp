@@ -1,0 +1,282 @@
+// int4 weight-only matmul. Work is split by blocks of output rows (the packing's own unit); within
+// a block, every column's nibbles are widened to fp32, dequantised with the group's scale and
+// zero (w = q * scale + (zero - 8 * scale)) and multiplied into up to four rows of x at once, so
+// a column is decoded once for the rows of a tile. Registers hold the block's outputs in the
+// order the nibbles lie (low nibbles of a run of bytes, then their high nibbles); each lane's
+// output row is mapped when the block is written back.
+#include <algorithm>
+#include <cstring>
+
+#include "cpu_matmul.h"
+#include "work_pool.h"
+
+#ifdef ZEROLITE_X86
+#include <immintrin.h>
+#endif
+
+namespace zerolite {
+
+namespace {
+
+struct Block {
+  int64_t row0;        // first output row
+  int rows;            // output rows in the block
+  bool halves;
+  const uint8_t* base; // the block's first byte; a column is rows / 2 bytes
+};
+
+Block block_at(const Int4Weight& w, int64_t index) {
+  int64_t full = w.out_features / w.block_rows;
+  Block b;
+  b.row0 = index * w.block_rows;
+  b.rows = index < full ? w.block_rows : static_cast<int>(w.out_features - full * w.block_rows);
+  b.halves = index < full && w.halves;
+  b.base = w.packed + b.row0 * (w.stored_in / 2);
+  return b;
+}
+
+// The output row (within its block) of byte `byte`'s low (high = 0) or high (high = 1) nibble.
+inline int row_of(const Block& b, int byte, int high) {
+  return b.halves ? byte + high * (b.rows / 2) : 2 * byte + high;
+}
+
+inline void scale_zero_at(const Int4Weight& w, int64_t group, int64_t row, float& scale, float& zero) {
+  int64_t index = (group * w.out_features + row) * 2;
+  if (w.bf16_scales) {
+    const uint16_t* sz = static_cast<const uint16_t*>(w.scale_zero) + index;
+    uint32_t s = static_cast<uint32_t>(sz[0]) << 16, z = static_cast<uint32_t>(sz[1]) << 16;
+    std::memcpy(&scale, &s, 4);
+    std::memcpy(&zero, &z, 4);
+  } else {
+    const float* sz = static_cast<const float*>(w.scale_zero) + index;
+    scale = sz[0];
+    zero = sz[1];
+  }
+}
+
+void block_scalar(const Int4Weight& w, const Block& b, const Rows& r) {
+  int bytes = b.rows / 2;
+  std::vector<float> acc(b.rows), scale(b.rows), offset(b.rows);
+  for (int64_t m = 0; m < r.count; ++m) {
+    const float* x = r.x + m * r.x_stride;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k0 = 0, g = 0; k0 < w.in_features; k0 += w.group_size, ++g) {
+      for (int row = 0; row < b.rows; ++row) {
+        float zero;
+        scale_zero_at(w, g, b.row0 + row, scale[row], zero);
+        offset[row] = zero - 8 * scale[row];
+      }
+      int64_t end = std::min<int64_t>(k0 + w.group_size, w.in_features);
+      for (int64_t k = k0; k < end; ++k) {
+        const uint8_t* column = b.base + k * bytes;
+        for (int byte = 0; byte < bytes; ++byte) {
+          for (int high = 0; high < 2; ++high) {
+            int row = row_of(b, byte, high);
+            float q = static_cast<float>(high ? column[byte] >> 4 : column[byte] & 15);
+            acc[row] += (q * scale[row] + offset[row]) * x[k];
+          }
+        }
+      }
+    }
+    std::copy(acc.begin(), acc.end(), r.y + m * r.y_stride + b.row0);
+  }
+}
+
+#ifdef ZEROLITE_X86
+
+// AVX-512: a block's column is 16-byte chunks (the last may be 8 bytes: a block of 16 or 48
+// rows), each widened to 16 lanes of low nibbles and 16 of high ones.
+template <int CHUNKS>
+struct LanesAvx512 {
+  static constexpr int REGS = 2 * CHUNKS;
+  __m512i row[REGS];    // each lane's row in the block
+  __mmask16 valid[REGS];
+  __mmask16 last_bytes; // the last chunk's bytes
+  bool contiguous;      // every register's rows are consecutive (halves: a plain load of scales)
+};
+
+template <int CHUNKS>
+ZEROLITE_AVX512 LanesAvx512<CHUNKS> lanes_avx512(const Block& b) {
+  LanesAvx512<CHUNKS> lanes;
+  int bytes = b.rows / 2;
+  int last = bytes - 16 * (CHUNKS - 1);
+  lanes.last_bytes = static_cast<__mmask16>((1u << last) - 1);
+  lanes.contiguous = b.halves;
+  for (int c = 0; c < CHUNKS; ++c) {
+    for (int high = 0; high < 2; ++high) {
+      alignas(64) int32_t rows[16];
+      for (int j = 0; j < 16; ++j) rows[j] = 16 * c + j < bytes ? row_of(b, 16 * c + j, high) : 0;
+      lanes.row[2 * c + high] = _mm512_load_si512(rows);
+      lanes.valid[2 * c + high] = c == CHUNKS - 1 ? lanes.last_bytes : static_cast<__mmask16>(0xFFFF);
+    }
+  }
+  return lanes;
+}
+
+template <int CHUNKS>
+ZEROLITE_AVX512 inline void group_scales_avx512(const Int4Weight& w, const Block& b, const LanesAvx512<CHUNKS>& lanes,
+                                                int64_t group, __m512* scale, __m512* offset) {
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int i = 0; i < 2 * CHUNKS; ++i) {
+    __m512 s, z;
+    if (w.bf16_scales) {
+      // A row's scale and zero are one 32-bit word: the scale's bf16 bits in its low half.
+      const int32_t* words = static_cast<const int32_t*>(w.scale_zero) + group * w.out_features + b.row0;
+      __m512i pair = lanes.contiguous
+          ? _mm512_maskz_loadu_epi32(lanes.valid[i], words + (i & 1) * (b.rows / 2) + 16 * (i / 2))
+          : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes.valid[i], lanes.row[i], words, 4);
+      s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      z = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+    } else {
+      const float* floats = static_cast<const float*>(w.scale_zero) + (group * w.out_features + b.row0) * 2;
+      __m512i index = _mm512_slli_epi32(lanes.row[i], 1);
+      s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes.valid[i], index, floats, 4);
+      z = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes.valid[i], index, floats + 1, 4);
+    }
+    scale[i] = s;
+    offset[i] = _mm512_fnmadd_ps(eight, s, z);
+  }
+}
+
+template <int CHUNKS, int M>
+ZEROLITE_AVX512 void tile_avx512(const Int4Weight& w, const Block& b, const LanesAvx512<CHUNKS>& lanes,
+                                 const float* x, int64_t x_stride, float* y, int64_t y_stride) {
+  constexpr int REGS = 2 * CHUNKS;
+  const int bytes = b.rows / 2;
+  __m512 acc[M][REGS];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < REGS; ++i) acc[m][i] = _mm512_setzero_ps();
+  const __m512i low_nibble = _mm512_set1_epi32(15);
+  for (int64_t k0 = 0, g = 0; k0 < w.in_features; k0 += w.group_size, ++g) {
+    __m512 scale[REGS], offset[REGS];
+    group_scales_avx512<CHUNKS>(w, b, lanes, g, scale, offset);
+    const int64_t end = std::min<int64_t>(k0 + w.group_size, w.in_features);
+    for (int64_t k = k0; k < end; ++k) {
+      const uint8_t* column = b.base + k * bytes;
+      __m512 weight[REGS];
+      for (int c = 0; c < CHUNKS; ++c) {
+        __m128i raw = c == CHUNKS - 1 ? _mm_maskz_loadu_epi8(lanes.last_bytes, column + 16 * c)
+                                      : _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + 16 * c));
+        __m512i wide = _mm512_cvtepu8_epi32(raw);
+        __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(wide, low_nibble));
+        __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
+        weight[2 * c] = _mm512_fmadd_ps(low, scale[2 * c], offset[2 * c]);
+        weight[2 * c + 1] = _mm512_fmadd_ps(high, scale[2 * c + 1], offset[2 * c + 1]);
+      }
+      for (int m = 0; m < M; ++m) {
+        __m512 xk = _mm512_set1_ps(x[m * x_stride + k]);
+        for (int i = 0; i < REGS; ++i) acc[m][i] = _mm512_fmadd_ps(weight[i], xk, acc[m][i]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float* out = y + m * y_stride + b.row0;
+    for (int i = 0; i < REGS; ++i)
+      _mm512_mask_i32scatter_ps(out, lanes.valid[i], lanes.row[i], acc[m][i], 4);
+  }
+}
+
+template <int CHUNKS>
+ZEROLITE_AVX512 void block_avx512_chunks(const Int4Weight& w, const Block& b, const Rows& r) {
+  const LanesAvx512<CHUNKS> lanes = lanes_avx512<CHUNKS>(b);
+  int64_t m = 0;
+  for (; m + 4 <= r.count; m += 4)
+    tile_avx512<CHUNKS, 4>(w, b, lanes, r.x + m * r.x_stride, r.x_stride, r.y + m * r.y_stride, r.y_stride);
+  const float* x = r.x + m * r.x_stride;
+  float* y = r.y + m * r.y_stride;
+  switch (r.count - m) {
+    case 3: tile_avx512<CHUNKS, 3>(w, b, lanes, x, r.x_stride, y, r.y_stride); break;
+    case 2: tile_avx512<CHUNKS, 2>(w, b, lanes, x, r.x_stride, y, r.y_stride); break;
+    case 1: tile_avx512<CHUNKS, 1>(w, b, lanes, x, r.x_stride, y, r.y_stride); break;
+    default: break;
+  }
+}
+
+void block_avx512(const Int4Weight& w, const Block& b, const Rows& r) {
+  if (b.rows / 2 > 16) block_avx512_chunks<2>(w, b, r);
+  else block_avx512_chunks<1>(w, b, r);
+}
+
+// AVX2: 8-byte chunks (a block's rows are a multiple of 16, so no chunk is partial), one row of x
+// at a time; the group's scales wait in memory, as 16 registers cannot hold them beside the sums.
+template <int CHUNKS>
+ZEROLITE_AVX2 void block_avx2_chunks(const Int4Weight& w, const Block& b, const Rows& r) {
+  constexpr int REGS = 2 * CHUNKS;
+  const int bytes = b.rows / 2;
+  alignas(32) int32_t rows[REGS][8];
+  for (int c = 0; c < CHUNKS; ++c)
+    for (int high = 0; high < 2; ++high)
+      for (int j = 0; j < 8; ++j) rows[2 * c + high][j] = row_of(b, 8 * c + j, high);
+  const __m256i low_nibble = _mm256_set1_epi32(15);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  alignas(32) float scale[REGS][8], offset[REGS][8];
+  for (int64_t m = 0; m < r.count; ++m) {
+    const float* x = r.x + m * r.x_stride;
+    __m256 acc[REGS];
+    for (int i = 0; i < REGS; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t k0 = 0, g = 0; k0 < w.in_features; k0 += w.group_size, ++g) {
+      for (int i = 0; i < REGS; ++i) {
+        __m256i index = _mm256_load_si256(reinterpret_cast<const __m256i*>(rows[i]));
+        __m256 s, z;
+        if (w.bf16_scales) {
+          const int* words = static_cast<const int*>(w.scale_zero) + g * w.out_features + b.row0;
+          __m256i pair = _mm256_i32gather_epi32(words, index, 4);
+          s = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+          z = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        } else {
+          const float* floats = static_cast<const float*>(w.scale_zero) + (g * w.out_features + b.row0) * 2;
+          __m256i twice = _mm256_slli_epi32(index, 1);
+          s = _mm256_i32gather_ps(floats, twice, 4);
+          z = _mm256_i32gather_ps(floats + 1, twice, 4);
+        }
+        _mm256_store_ps(scale[i], s);
+        _mm256_store_ps(offset[i], _mm256_fnmadd_ps(eight, s, z));
+      }
+      const int64_t end = std::min<int64_t>(k0 + w.group_size, w.in_features);
+      for (int64_t k = k0; k < end; ++k) {
+        const uint8_t* column = b.base + k * bytes;
+        __m256 xk = _mm256_set1_ps(x[k]);
+        for (int c = 0; c < CHUNKS; ++c) {
+          __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 8 * c)));
+          __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(wide, low_nibble));
+          __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+          __m256 wl = _mm256_fmadd_ps(low, _mm256_load_ps(scale[2 * c]), _mm256_load_ps(offset[2 * c]));
+          __m256 wh = _mm256_fmadd_ps(high, _mm256_load_ps(scale[2 * c + 1]), _mm256_load_ps(offset[2 * c + 1]));
+          acc[2 * c] = _mm256_fmadd_ps(wl, xk, acc[2 * c]);
+          acc[2 * c + 1] = _mm256_fmadd_ps(wh, xk, acc[2 * c + 1]);
+        }
+      }
+    }
+    float* out = r.y + m * r.y_stride + b.row0;
+    for (int i = 0; i < REGS; ++i) {
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, acc[i]);
+      for (int j = 0; j < 8; ++j) out[rows[i][j]] = sums[j];
+    }
+  }
+}
+
+void block_avx2(const Int4Weight& w, const Block& b, const Rows& r) {
+  switch (b.rows / 16) {
+    case 1: block_avx2_chunks<1>(w, b, r); break;
+    case 2: block_avx2_chunks<2>(w, b, r); break;
+    case 3: block_avx2_chunks<3>(w, b, r); break;
+    default: block_avx2_chunks<4>(w, b, r); break;
+  }
+}
+
+#endif  // ZEROLITE_X86
+
+}  // namespace
+
+void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) {
+  int64_t blocks = (w.out_features + w.block_rows - 1) / w.block_rows;
+  void (*block)(const Int4Weight&, const Block&, const Rows&) = block_scalar;
+#ifdef ZEROLITE_X86
+  if (path == CpuPath::avx512) block = block_avx512;
+  if (path == CpuPath::avx2) block = block_avx2;
+#endif
+  kernel_pool().run(threads, blocks, [&](int64_t index) { block(w, block_at(w, index), r); });
+}
+
+}  // namespace zerolite
