@@ -26,12 +26,12 @@ The compute: transformers' decode step with every weight in RAM (with --memory-l
 more run of it, outside the limit); for an int8 or int4 contender, zerolite-cpu-SCHEME's step where
 that contender ran (the quantized kernels' compute, not a bf16 matmul's), else transformers'.
 
-The llama.cpp contenders (llamacpp-bf16, llamacpp-q4_0) run GGUF files of --source made by
+The llama.cpp contenders (llamacpp-bf16, llamacpp-q4_0, llamacpp-q8_0) run GGUF files of --source made by
 tools/bench_gguf.py before the first round and kept in --scratch's folder for later runs. Their
-tokens come from other kernels (and, for q4_0, other weights): beside them is the share of new
+tokens come from other kernels (and, for q4_0 and q8_0, other weights): beside them is the share of new
 tokens equal to transformers' up to each row's first difference (greedy decoding goes on from its
-own tokens, so what follows a difference is no longer comparable). q4_0 has no bound: no read-only
-pass is run over weights of its size.
+own tokens, so what follows a difference is no longer comparable). q4_0 and q8_0 have no bound: no read-only
+pass is run over weights of their sizes.
 
 --memory-limit SIZE runs each contender in a memory cgroup of that size (v2 where available, else
 v1; swap limited too): below the model's size, contenders that lean on the page cache meet the
@@ -326,7 +326,7 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
         if r["failed_runs"]:
             same += f" ({r['failed_runs']} of {len(r['runs'])} runs failed)"
         step = r["decode_step_s"]
-        own_bound = None if name == LLAMACPP + "q4_0" else quantized_bounds[scheme] if scheme else bound
+        own_bound = None if name in (LLAMACPP + "q4_0", LLAMACPP + "q8_0") else quantized_bounds[scheme] if scheme else bound
         table.add_row(
             name, f"{r['ready_s']:.1f}", f"{r['prefill_s']:.2f}", f"{step:.3f}", f"{r['decode_step_spread']:.2f}x",
             f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}",

@@ -253,6 +253,7 @@ CONTENDERS = {
     "accelerate-disk": accelerate_disk,
     "llamacpp-bf16": lambda a: llamacpp(a, "bf16"),
     "llamacpp-q4_0": lambda a: llamacpp(a, "q4_0"),
+    "llamacpp-q8_0": lambda a: llamacpp(a, "q8_0"),
 }
 
 
