@@ -97,6 +97,20 @@ NB_MODULE(_engine, m) {
       "stored_in"_a, "group_size"_a, "block_rows"_a, "halves"_a, "scale_zero"_a, "bf16_scales"_a, "path"_a,
       "threads"_a, nb::call_guard<nb::gil_scoped_release>());
   m.def(
+      "int4_dequantize_transposed",
+      [](std::uintptr_t out, bool bf16, std::uintptr_t packed, std::int64_t out_features, std::int64_t in_features,
+         std::int64_t stored_in, int group_size, int block_rows, bool halves, std::uintptr_t scale_zero,
+         bool bf16_scales, int path, int threads) {
+        zerolite::Int4Weight weight{reinterpret_cast<const std::uint8_t*>(packed), out_features, in_features,
+                                    stored_in, group_size, block_rows, halves,
+                                    reinterpret_cast<const void*>(scale_zero), bf16_scales};
+        zerolite::int4_dequantize_transposed(weight, reinterpret_cast<void*>(out), bf16,
+                                             static_cast<zerolite::CpuPath>(path), threads);
+      },
+      "out"_a, "bf16"_a, "packed"_a, "out_features"_a, "in_features"_a, "stored_in"_a, "group_size"_a,
+      "block_rows"_a, "halves"_a, "scale_zero"_a, "bf16_scales"_a, "path"_a, "threads"_a,
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
       "int8_matmul",
       [](std::uintptr_t x, std::int64_t rows, std::int64_t x_stride, std::uintptr_t y, std::int64_t y_stride,
          std::uintptr_t q, std::int64_t out_features, std::int64_t in_features, std::uintptr_t scale, int path,

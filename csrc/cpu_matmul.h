@@ -10,7 +10,10 @@
 
 namespace zerolite {
 
-enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2 };
+// avx512vnni (int4 only; int8 runs avx512 there) quantizes the rows of x to int8 in blocks of 32
+// columns, as llama.cpp does, and multiplies integers: four times the weights a cycle, at the
+// cost of the activations' rounding. The others compute in fp32 exactly as the weights dequantise.
+enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3 };
 
 // The paths this CPU can run, best last (scalar always).
 std::vector<std::string> supported_cpu_paths();
@@ -46,6 +49,11 @@ struct Rows {
 };
 
 void int4_matmul(const Int4Weight& weight, const Rows& rows, CpuPath path, int threads);
+
+// The int4 weight dequantised and transposed: out[k, n] = weight[n, k] for k < in_features, as
+// bf16 (round to nearest even) or fp32, each column of a block's nibbles one run of out's row k.
+// For a prefill, where a matmul of many rows beats the kernels above. AVX2 takes the plain path.
+void int4_dequantize_transposed(const Int4Weight& weight, void* out, bool bf16, CpuPath path, int threads);
 void int8_matmul(const Int8Weight& weight, const Rows& rows, CpuPath path, int threads);
 
 }  // namespace zerolite
@@ -54,4 +62,5 @@ void int8_matmul(const Int8Weight& weight, const Rows& rows, CpuPath path, int t
 #define ZEROLITE_X86 1
 #define ZEROLITE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define ZEROLITE_AVX2 __attribute__((target("avx2,fma")))
+#define ZEROLITE_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma")))
 #endif

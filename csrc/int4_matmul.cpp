@@ -5,9 +5,12 @@
 // order the nibbles lie (low nibbles of a run of bytes, then their high nibbles); each lane's
 // output row is mapped when the block is written back.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "cpu_matmul.h"
+#include "int4_blocks.h"
 #include "work_pool.h"
 
 #ifdef ZEROLITE_X86
@@ -17,42 +20,6 @@
 namespace zerolite {
 
 namespace {
-
-struct Block {
-  int64_t row0;        // first output row
-  int rows;            // output rows in the block
-  bool halves;
-  const uint8_t* base; // the block's first byte; a column is rows / 2 bytes
-};
-
-Block block_at(const Int4Weight& w, int64_t index) {
-  int64_t full = w.out_features / w.block_rows;
-  Block b;
-  b.row0 = index * w.block_rows;
-  b.rows = index < full ? w.block_rows : static_cast<int>(w.out_features - full * w.block_rows);
-  b.halves = index < full && w.halves;
-  b.base = w.packed + b.row0 * (w.stored_in / 2);
-  return b;
-}
-
-// The output row (within its block) of byte `byte`'s low (high = 0) or high (high = 1) nibble.
-inline int row_of(const Block& b, int byte, int high) {
-  return b.halves ? byte + high * (b.rows / 2) : 2 * byte + high;
-}
-
-inline void scale_zero_at(const Int4Weight& w, int64_t group, int64_t row, float& scale, float& zero) {
-  int64_t index = (group * w.out_features + row) * 2;
-  if (w.bf16_scales) {
-    const uint16_t* sz = static_cast<const uint16_t*>(w.scale_zero) + index;
-    uint32_t s = static_cast<uint32_t>(sz[0]) << 16, z = static_cast<uint32_t>(sz[1]) << 16;
-    std::memcpy(&scale, &s, 4);
-    std::memcpy(&zero, &z, 4);
-  } else {
-    const float* sz = static_cast<const float*>(w.scale_zero) + index;
-    scale = sz[0];
-    zero = sz[1];
-  }
-}
 
 void block_scalar(const Int4Weight& w, const Block& b, const Rows& r) {
   int bytes = b.rows / 2;
@@ -70,6 +37,7 @@ void block_scalar(const Int4Weight& w, const Block& b, const Rows& r) {
       for (int64_t k = k0; k < end; ++k) {
         const uint8_t* column = b.base + k * bytes;
         for (int byte = 0; byte < bytes; ++byte) {
+          #pragma GCC unroll 16
           for (int high = 0; high < 2; ++high) {
             int row = row_of(b, byte, high);
             float q = static_cast<float>(high ? column[byte] >> 4 : column[byte] & 15);
@@ -102,7 +70,9 @@ ZEROLITE_AVX512 LanesAvx512<CHUNKS> lanes_avx512(const Block& b) {
   int last = bytes - 16 * (CHUNKS - 1);
   lanes.last_bytes = static_cast<__mmask16>((1u << last) - 1);
   lanes.contiguous = b.halves;
+  #pragma GCC unroll 16
   for (int c = 0; c < CHUNKS; ++c) {
+    #pragma GCC unroll 16
     for (int high = 0; high < 2; ++high) {
       alignas(64) int32_t rows[16];
       for (int j = 0; j < 16; ++j) rows[j] = 16 * c + j < bytes ? row_of(b, 16 * c + j, high) : 0;
@@ -114,9 +84,10 @@ ZEROLITE_AVX512 LanesAvx512<CHUNKS> lanes_avx512(const Block& b) {
 }
 
 template <int CHUNKS>
-ZEROLITE_AVX512 inline void group_scales_avx512(const Int4Weight& w, const Block& b, const LanesAvx512<CHUNKS>& lanes,
+ZEROLITE_AVX512 __attribute__((always_inline)) inline void group_scales_avx512(const Int4Weight& w, const Block& b, const LanesAvx512<CHUNKS>& lanes,
                                                 int64_t group, __m512* scale, __m512* offset) {
   const __m512 eight = _mm512_set1_ps(8.0f);
+  #pragma GCC unroll 16
   for (int i = 0; i < 2 * CHUNKS; ++i) {
     __m512 s, z;
     if (w.bf16_scales) {
@@ -144,7 +115,9 @@ ZEROLITE_AVX512 void tile_avx512(const Int4Weight& w, const Block& b, const Lane
   constexpr int REGS = 2 * CHUNKS;
   const int bytes = b.rows / 2;
   __m512 acc[M][REGS];
+  #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
+    #pragma GCC unroll 16
     for (int i = 0; i < REGS; ++i) acc[m][i] = _mm512_setzero_ps();
   const __m512i low_nibble = _mm512_set1_epi32(15);
   for (int64_t k0 = 0, g = 0; k0 < w.in_features; k0 += w.group_size, ++g) {
@@ -154,6 +127,7 @@ ZEROLITE_AVX512 void tile_avx512(const Int4Weight& w, const Block& b, const Lane
     for (int64_t k = k0; k < end; ++k) {
       const uint8_t* column = b.base + k * bytes;
       __m512 weight[REGS];
+      #pragma GCC unroll 16
       for (int c = 0; c < CHUNKS; ++c) {
         __m128i raw = c == CHUNKS - 1 ? _mm_maskz_loadu_epi8(lanes.last_bytes, column + 16 * c)
                                       : _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + 16 * c));
@@ -163,14 +137,18 @@ ZEROLITE_AVX512 void tile_avx512(const Int4Weight& w, const Block& b, const Lane
         weight[2 * c] = _mm512_fmadd_ps(low, scale[2 * c], offset[2 * c]);
         weight[2 * c + 1] = _mm512_fmadd_ps(high, scale[2 * c + 1], offset[2 * c + 1]);
       }
+      #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
         __m512 xk = _mm512_set1_ps(x[m * x_stride + k]);
+        #pragma GCC unroll 16
         for (int i = 0; i < REGS; ++i) acc[m][i] = _mm512_fmadd_ps(weight[i], xk, acc[m][i]);
       }
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < M; ++m) {
     float* out = y + m * y_stride + b.row0;
+    #pragma GCC unroll 16
     for (int i = 0; i < REGS; ++i)
       _mm512_mask_i32scatter_ps(out, lanes.valid[i], lanes.row[i], acc[m][i], 4);
   }
@@ -204,7 +182,9 @@ ZEROLITE_AVX2 void block_avx2_chunks(const Int4Weight& w, const Block& b, const 
   constexpr int REGS = 2 * CHUNKS;
   const int bytes = b.rows / 2;
   alignas(32) int32_t rows[REGS][8];
+  #pragma GCC unroll 16
   for (int c = 0; c < CHUNKS; ++c)
+    #pragma GCC unroll 16
     for (int high = 0; high < 2; ++high)
       for (int j = 0; j < 8; ++j) rows[2 * c + high][j] = row_of(b, 8 * c + j, high);
   const __m256i low_nibble = _mm256_set1_epi32(15);
@@ -213,8 +193,10 @@ ZEROLITE_AVX2 void block_avx2_chunks(const Int4Weight& w, const Block& b, const 
   for (int64_t m = 0; m < r.count; ++m) {
     const float* x = r.x + m * r.x_stride;
     __m256 acc[REGS];
+    #pragma GCC unroll 16
     for (int i = 0; i < REGS; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t k0 = 0, g = 0; k0 < w.in_features; k0 += w.group_size, ++g) {
+      #pragma GCC unroll 16
       for (int i = 0; i < REGS; ++i) {
         __m256i index = _mm256_load_si256(reinterpret_cast<const __m256i*>(rows[i]));
         __m256 s, z;
@@ -236,6 +218,7 @@ ZEROLITE_AVX2 void block_avx2_chunks(const Int4Weight& w, const Block& b, const 
       for (int64_t k = k0; k < end; ++k) {
         const uint8_t* column = b.base + k * bytes;
         __m256 xk = _mm256_set1_ps(x[k]);
+        #pragma GCC unroll 16
         for (int c = 0; c < CHUNKS; ++c) {
           __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 8 * c)));
           __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(wide, low_nibble));
@@ -248,6 +231,7 @@ ZEROLITE_AVX2 void block_avx2_chunks(const Int4Weight& w, const Block& b, const 
       }
     }
     float* out = r.y + m * r.y_stride + b.row0;
+    #pragma GCC unroll 16
     for (int i = 0; i < REGS; ++i) {
       alignas(32) float sums[8];
       _mm256_store_ps(sums, acc[i]);
@@ -265,6 +249,156 @@ void block_avx2(const Int4Weight& w, const Block& b, const Rows& r) {
   }
 }
 
+// avx512vnni: x quantized per 32 columns (QuantizedRows), the weights' nibbles multiplied as
+// bytes. A 64-row "halves" block keeps four columns in 128 consecutive bytes: two permutes per
+// 32 rows gather each row's four nibbles into one 32-bit lane, which vpdpbusd multiplies by the
+// four columns of x and adds in one step. Other blocks take the fp32 tile.
+struct QuantizedRows {
+  std::vector<int8_t> q;      // [rows, padded] x / step, rounded; zero past in_features
+  std::vector<float> step;    // [rows, padded / 32]
+  std::vector<int32_t> q_sums;  // [rows, padded / 32] the sum of each block's q
+  std::vector<float> sums;    // [rows, groups] x's exact sum over each weight group
+  int64_t padded = 0, groups = 0;
+};
+
+constexpr int X_BLOCK = 32;
+
+QuantizedRows quantize_rows(const Int4Weight& w, const Rows& r) {
+  QuantizedRows out;
+  out.padded = w.stored_in;
+  out.groups = w.stored_in / w.group_size;
+  out.q.assign(r.count * out.padded, 0);
+  out.step.assign(r.count * (out.padded / X_BLOCK), 0.0f);
+  out.q_sums.assign(r.count * (out.padded / X_BLOCK), 0);
+  out.sums.assign(r.count * out.groups, 0.0f);
+  for (int64_t m = 0; m < r.count; ++m) {
+    const float* x = r.x + m * r.x_stride;
+    for (int64_t k0 = 0; k0 < w.in_features; k0 += X_BLOCK) {
+      int64_t end = std::min<int64_t>(k0 + X_BLOCK, w.in_features);
+      float largest = 0.0f;
+      for (int64_t k = k0; k < end; ++k) largest = std::max(largest, std::fabs(x[k]));
+      float step = largest / 127.0f;
+      out.step[m * (out.padded / X_BLOCK) + k0 / X_BLOCK] = step;
+      float inverse = step > 0.0f ? 1.0f / step : 0.0f;
+      int32_t q_sum = 0;
+      float sum = 0.0f;
+      for (int64_t k = k0; k < end; ++k) {
+        float scaled = x[k] * inverse;  // rounded half away from zero: inline, where nearbyint is a call
+        int32_t q = static_cast<int32_t>(scaled + (scaled >= 0.0f ? 0.5f : -0.5f));
+        out.q[m * out.padded + k] = static_cast<int8_t>(q);
+        q_sum += q;
+        sum += x[k];
+      }
+      out.q_sums[m * (out.padded / X_BLOCK) + k0 / X_BLOCK] = q_sum;
+      out.sums[m * out.groups + k0 / w.group_size] += sum;
+    }
+  }
+  return out;
+}
+
+template <int M>
+ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const QuantizedRows& xq, int64_t m0,
+                                   float* y, int64_t y_stride) {
+  const __m512i low_nibble = _mm512_set1_epi8(15);
+  alignas(64) int8_t order[64];
+  for (int j = 0; j < 16; ++j) {
+    order[4 * j] = static_cast<int8_t>(j);
+    order[4 * j + 1] = static_cast<int8_t>(32 + j);
+    order[4 * j + 2] = static_cast<int8_t>(64 + j);
+    order[4 * j + 3] = static_cast<int8_t>(96 + j);
+  }
+  const __m512i first = _mm512_load_si512(order);                      // rows j of 16: columns k .. k + 3
+  const __m512i second = _mm512_add_epi8(first, _mm512_set1_epi8(16)); // rows 16 + j
+  const int64_t blocks_per_row = xq.padded / X_BLOCK;
+  alignas(64) float sum[M][64] = {};  // the block's outputs, in memory: the registers hold the dot products
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const int64_t k0 = g * w.group_size;
+    if (k0 >= w.in_features) break;
+    __m512 scale[4], zero[4];
+    const int32_t* words = static_cast<const int32_t*>(w.scale_zero) + g * w.out_features + b.row0;
+#pragma GCC unroll 16
+    for (int i = 0; i < 4; ++i) {
+      __m512 s, z;
+      if (w.bf16_scales) {
+        __m512i pair = _mm512_loadu_si512(words + 16 * i);
+        s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        z = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+      } else {
+        const float* floats = static_cast<const float*>(w.scale_zero) + (g * w.out_features + b.row0 + 16 * i) * 2;
+        __m512i index = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        s = _mm512_i32gather_ps(index, floats, 4);
+        z = _mm512_i32gather_ps(index, floats + 1, 4);
+      }
+      scale[i] = s;
+      zero[i] = z;
+    }
+    const int64_t group_end = std::min<int64_t>(k0 + w.group_size, w.in_features);
+    for (int64_t x0 = k0; x0 < group_end; x0 += X_BLOCK) {
+      __m512i dot[M][4];
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+        for (int i = 0; i < 4; ++i) dot[m][i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < X_BLOCK; k += 4) {
+        const uint8_t* columns = b.base + (x0 + k) * 32;
+        __m512i a = _mm512_loadu_si512(columns), c = _mm512_loadu_si512(columns + 64);
+        __m512i a_low = _mm512_and_si512(a, low_nibble), c_low = _mm512_and_si512(c, low_nibble);
+        __m512i a_high = _mm512_and_si512(_mm512_srli_epi16(a, 4), low_nibble);
+        __m512i c_high = _mm512_and_si512(_mm512_srli_epi16(c, 4), low_nibble);
+        __m512i quads[4] = {_mm512_permutex2var_epi8(a_low, first, c_low), _mm512_permutex2var_epi8(a_low, second, c_low),
+                            _mm512_permutex2var_epi8(a_high, first, c_high),
+                            _mm512_permutex2var_epi8(a_high, second, c_high)};
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m) {
+          int32_t four;
+          std::memcpy(&four, xq.q.data() + (m0 + m) * xq.padded + x0 + k, 4);
+          __m512i xs = _mm512_set1_epi32(four);
+#pragma GCC unroll 16
+          for (int i = 0; i < 4; ++i) dot[m][i] = _mm512_dpbusd_epi32(dot[m][i], quads[i], xs);
+        }
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) {
+        const int64_t block = (m0 + m) * blocks_per_row + x0 / X_BLOCK;
+        __m512 step = _mm512_set1_ps(xq.step[block]);
+        // (q - 8) . x: centred, so x's rounding is weighed by |q - 8|, not by q
+        __m512i eight_sums = _mm512_set1_epi32(8 * xq.q_sums[block]);
+#pragma GCC unroll 16
+        for (int i = 0; i < 4; ++i)
+          _mm512_store_ps(sum[m] + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][i], eight_sums)),
+                                                          _mm512_mul_ps(scale[i], step), _mm512_load_ps(sum[m] + 16 * i)));
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      __m512 total = _mm512_set1_ps(xq.sums[(m0 + m) * xq.groups + g]);
+#pragma GCC unroll 16
+      for (int i = 0; i < 4; ++i)
+        _mm512_store_ps(sum[m] + 16 * i, _mm512_fmadd_ps(zero[i], total, _mm512_load_ps(sum[m] + 16 * i)));
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(y + (m0 + m) * y_stride + b.row0 + 16 * i, _mm512_load_ps(sum[m] + 16 * i));
+}
+
+void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const QuantizedRows& xq) {
+  if (!(b.halves && b.rows == 64)) {
+    block_avx512(w, b, r);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 4 <= r.count; m += 4) tile_vnni<4>(w, b, xq, m, r.y, r.y_stride);
+  switch (r.count - m) {
+    case 3: tile_vnni<3>(w, b, xq, m, r.y, r.y_stride); break;
+    case 2: tile_vnni<2>(w, b, xq, m, r.y, r.y_stride); break;
+    case 1: tile_vnni<1>(w, b, xq, m, r.y, r.y_stride); break;
+    default: break;
+  }
+}
+
 #endif  // ZEROLITE_X86
 
 }  // namespace
@@ -273,6 +407,12 @@ void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) 
   int64_t blocks = (w.out_features + w.block_rows - 1) / w.block_rows;
   void (*block)(const Int4Weight&, const Block&, const Rows&) = block_scalar;
 #ifdef ZEROLITE_X86
+  if (path == CpuPath::avx512vnni && w.group_size % X_BLOCK == 0) {
+    const QuantizedRows xq = quantize_rows(w, r);
+    kernel_pool().run(threads, blocks, [&](int64_t index) { block_vnni(w, block_at(w, index), r, xq); });
+    return;
+  }
+  if (path == CpuPath::avx512vnni) block = block_avx512;
   if (path == CpuPath::avx512) block = block_avx512;
   if (path == CpuPath::avx2) block = block_avx2;
 #endif

@@ -34,20 +34,27 @@ template <int N, int M>
 ZEROLITE_AVX512 void tile_avx512(const Int8Weight& w, const float* x, int64_t x_stride, float* y, int64_t y_stride,
                                  int64_t n0) {
   __m512 acc[M][N];
+  #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
+    #pragma GCC unroll 16
     for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
   const int64_t in = w.in_features;
   for (int64_t k = 0; k < in; k += 16) {
     __mmask16 mask = in - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (in - k)) - 1);
     __m512 xs[M];
+    #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(mask, x + m * x_stride + k);
+    #pragma GCC unroll 16
     for (int n = 0; n < N; ++n) {
       __m128i raw = _mm_maskz_loadu_epi8(mask, w.q + (n0 + n) * in + k);
       __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+      #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) acc[m][n] = _mm512_fmadd_ps(q, xs[m], acc[m][n]);
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
+    #pragma GCC unroll 16
     for (int n = 0; n < N; ++n) y[m * y_stride + n0 + n] = _mm512_reduce_add_ps(acc[m][n]) * w.scale[n0 + n];
 }
 
@@ -84,14 +91,17 @@ ZEROLITE_AVX2 void rows_of_x_avx2(const Int8Weight& w, const Rows& r, int64_t n0
   for (int64_t m = 0; m < r.count; ++m) {
     const float* x = r.x + m * r.x_stride;
     __m256 acc[N];
+    #pragma GCC unroll 16
     for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
     for (int64_t k = 0; k < whole; k += 8) {
       __m256 xs = _mm256_loadu_ps(x + k);
+      #pragma GCC unroll 16
       for (int n = 0; n < N; ++n) {
         __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.q + (n0 + n) * in + k));
         acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), xs, acc[n]);
       }
     }
+    #pragma GCC unroll 16
     for (int n = 0; n < N; ++n) {
       const int8_t* q = w.q + (n0 + n) * in;
       float sum = sum_avx2(acc[n]);
@@ -114,7 +124,7 @@ void rows_avx2(const Int8Weight& w, const Rows& r, int64_t first, int64_t last) 
 void int8_matmul(const Int8Weight& w, const Rows& r, CpuPath path, int threads) {
   void (*rows)(const Int8Weight&, const Rows&, int64_t, int64_t) = rows_scalar;
 #ifdef ZEROLITE_X86
-  if (path == CpuPath::avx512) rows = rows_avx512;
+  if (path == CpuPath::avx512 || path == CpuPath::avx512vnni) rows = rows_avx512;
   if (path == CpuPath::avx2) rows = rows_avx2;
 #endif
   int64_t tasks = (w.out_features + TASK_ROWS - 1) / TASK_ROWS;

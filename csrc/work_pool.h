@@ -1,8 +1,9 @@
 // The threads the CPU matmul kernels split their work over: a small pool of its own, so the
 // kernels neither need OpenMP nor leave threads spinning between calls, which would take the
-// cores from the I/O engine's reads. The calling thread takes a share of every call's work;
-// the others wait a few microseconds for the next call (a decode step makes hundreds, back to
-// back) and then sleep on a condition variable.
+// cores from the I/O engine's reads. The calling thread takes tasks too, and a call ends when its
+// tasks are done: a worker the OS has not run yet (the machine's cores are busy elsewhere) is not
+// waited for, and finds nothing left when it wakes. Idle workers watch for the next call a few
+// microseconds (a decode step makes hundreds, back to back), then sleep on a condition variable.
 #pragma once
 
 #include <atomic>
@@ -24,9 +25,18 @@ class WorkPool {
   void run(int threads, int64_t tasks, const std::function<void(int64_t)>& task);
 
  private:
+  struct Call {
+    const std::function<void(int64_t)>* task;
+    int64_t tasks;
+    int workers;                        // how many of the pool's workers may join
+    std::atomic<int64_t> next{0};       // the next task to take
+    std::atomic<int64_t> finished{0};
+    int inside = 0;                     // workers taking its tasks (under mutex_)
+  };
+
   void grow(int workers);
   void work(int index, int64_t generation_seen);
-  void take_tasks();
+  void take_tasks(Call& call);
 
   std::mutex call_mutex_;   // one call at a time
   std::mutex mutex_;
@@ -34,11 +44,7 @@ class WorkPool {
   std::condition_variable done_;
   std::vector<std::thread> workers_;
   std::atomic<int64_t> generation_{0};
-  std::atomic<int64_t> next_task_{0};
-  std::atomic<int> busy_{0};
-  int64_t tasks_ = 0;
-  int active_workers_ = 0;   // how many workers this call may use
-  const std::function<void(int64_t)>* task_ = nullptr;
+  Call* call_ = nullptr;    // the call workers may join (under mutex_)
   bool stopping_ = false;
 };
 

@@ -79,7 +79,7 @@ FIO_CHUNK, FIO_DEPTH = 1 << 20, 32  # the engine's defaults
 
 # Contenders whose name ends in -SCHEME run the same model converted with these convert arguments,
 # from --SCHEME-layout.
-QUANTIZED = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=64)}
+QUANTIZED = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=32)}  # 32: as Q4_0
 LLAMACPP = "llamacpp-"  # contenders whose name starts so run the GGUF file of the weights named after it
 
 
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scratch", default=None, help="folder for DeepSpeed's NVMe swap and accelerate's offload, "
                         "in a temporary folder made in it, and for the llama.cpp contenders' GGUF files, kept "
                         "(default: the folder --layout is in)")
+    parser.add_argument("--llamacpp-plain", action="store_true",
+                        help="llama.cpp without its repacked weights (AMX, AVX-512 interleaved): where they crash")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one contender may take")
     parser.add_argument("--json", default=None, help="write every figure here too")
     return parser
@@ -141,6 +143,7 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
                "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
                "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
                *(["--layers", str(args.layers)] if getattr(args, "layers", None) else []),
+               *(["--llamacpp-plain"] if args.llamacpp_plain else []),
                "--out", str(out), "--started", str(time.time())]
     cgroup = MemoryCgroup.create(name, limit) if limit else None
     drop_page_cache()

@@ -178,6 +178,9 @@ def llamacpp(args, weights: str):
     llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
     model_params.use_mmap = True
+    # --llamacpp-plain: its plain kernels only; its AMX repacking crashed a 2-core Sapphire Rapids VM
+    # (SIGSEGV at the first decode, llama-cpp-python 0.3.36).
+    model_params.use_extra_bufts = not args.llamacpp_plain
     path = Path(args.gguf_folder) / f"{weights}.gguf"
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
     if not model:
@@ -284,6 +287,7 @@ def main() -> None:
     parser.add_argument("--half-bytes", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="zerolite-compute-in-ram: decoder layers to build")
     parser.add_argument("--scratch", default="/tmp")
+    parser.add_argument("--llamacpp-plain", action="store_true", help="llama.cpp without its repacked weights")
     parser.add_argument("--started", type=float, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -27,7 +27,7 @@ from torch import nn
 
 from zerolite.io.device import Device
 from zerolite.layout.manifest import DTYPES, Manifest, TensorEntry
-from zerolite.quant.cpu_kernels import int4_matmul, int8_matmul
+from zerolite.quant.cpu_kernels import int4_dequantize_transposed, int4_matmul, int8_matmul
 from zerolite.quant.gpu_int4 import Int4Kernel, fits, inner_k_tiles, int4_kernel, paired_columns
 from zerolite.quant.int4_packing import Int4Packing, unpack_int4
 from zerolite.quant.quantize import (
@@ -53,7 +53,8 @@ class Scratch:
     """The buffer a GPU's quantized layers dequantise into, one after another on the compute
     stream (each layer's matmul has read it before the next layer writes it): the largest weight
     once in the activations' dtype, taken once and kept, where a fresh allocation per call would
-    churn the allocator. Counted in dequantize_workspace."""
+    churn the allocator. Counted in dequantize_workspace. A CPU's int4 layers dequantise a
+    prefill's weights into one too (a fresh one per call took a page fault every 4 KiB)."""
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
@@ -75,7 +76,7 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.dequantize = dequantize
-        self.scratch = scratch  # where a GPU dequantises the weight for a call (None: a fresh tensor)
+        self.scratch = scratch  # where a GPU, or a CPU for a prefill, dequantises the weight (None: a fresh tensor)
         self.bias = bias
         self.dense: torch.Tensor | None = None  # the weight dequantised once, for a layer resident on a GPU
 
@@ -97,10 +98,12 @@ class QuantizedLinear(nn.Module):
     def unbound(self) -> None:
         """The block's tensors were taken out (zerolite.runtime.binding): what was made from them goes."""
 
-    def _buffer(self, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, shape: tuple[int, int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer on like's device, in like's dtype unless another is given."""
+        dtype = dtype or like.dtype
         if self.scratch is None:
-            return torch.empty(shape, dtype=like.dtype, device=like.device)
-        return self.scratch.take(shape, like.dtype, like.device)
+            return torch.empty(shape, dtype=dtype, device=like.device)
+        return self.scratch.take(shape, dtype, like.device)
 
 
 class Int8Linear(QuantizedLinear):
@@ -162,7 +165,11 @@ class Int4Linear(QuantizedLinear):
             dequantize_int4_into(weight, self.weight, scale_zero, self.group_size, self.packing)
             return F.linear(self.padded(rows), weight)
         if rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
-            return F.linear(rows, self.dequantized(rows.dtype))
+            # The transpose, as the kernel writes it in one pass; torch's matmul takes either.
+            dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
+            transposed = self._buffer((self.in_features, self.out_features), rows, dtype)
+            int4_dequantize_transposed(transposed, self.weight, scale_zero, self.group_size, self.packing)
+            return torch.matmul(rows.to(dtype), transposed).to(rows.dtype)
         return int4_matmul(rows, self.weight, scale_zero, self.out_features, self.group_size,
                            self.packing).to(rows.dtype)
 
@@ -240,7 +247,7 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
         return
     scheme = WeightScheme.from_manifest(manifest.quantization)
     scale_dtype = DTYPES[manifest.dtype]
-    scratch = Scratch() if device.separate_memory else None
+    scratch = Scratch()
     kernel = int4_kernel(device) if scheme.name == "int4" and device.separate_memory else None
     for block in manifest.blocks:
         for weight in quantized_weights(manifest, block.name):
