@@ -16,6 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 import zerolite
 import zerolite.quant.linear
+from zerolite.quant import cpu_kernels
 from helpers import greedy, left_padded
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
@@ -110,12 +111,23 @@ def teacher_forced_logits(model: torch.nn.Module, sequences: torch.Tensor) -> to
         return model(input_ids=sequences, attention_mask=mask).logits[:, PROMPTS.shape[1] - 1:].float()
 
 
+# The CPU kernel paths a bf16 layout's int4 layers can take, with how many times bf16's own error
+# each may add: the exact ones 2; avx512vnni, which also rounds the rows to int8 per 32 columns
+# (as llama.cpp does), 4 (2.2 and 2.7 measured on bloom and opt; perplexity in
+# docs/benchmarks-cpu-kernels.md).
+BF16_PATHS = {path: 4 if path in cpu_kernels.ROUNDS_ACTIVATIONS else 2
+              for path in [*[p for p in cpu_kernels.supported_paths() if p not in cpu_kernels.ROUNDS_ACTIVATIONS][-1:],
+                           *[p for p in cpu_kernels.supported_paths() if p in cpu_kernels.ROUNDS_ACTIVATIONS]]}
+
+
+@pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_int4_kernel_in_bf16_adds_no_more_error_than_bf16_itself(arch, make_source, make_layout, monkeypatch):
+def test_int4_kernel_in_bf16_adds_no_more_error_than_bf16_itself(arch, path, make_source, make_layout, monkeypatch):
     """bf16 layouts, where the int4 kernel runs. bf16 alone moves these tiny random models' logits
     far more than the 0.999 cosine the fp32 tests hold (down to 0.957), so the kernel is held to
     bf16's own error: on the same sequences, its logits lie no further from the fp32 reference than
-    twice as far as the same dequantised weights run as a bf16 model."""
+    BF16_PATHS's times as far as the same dequantised weights run as a bf16 model."""
+    monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, path)
     source = make_source(arch, layers=LAYERS)
     layout = make_layout(arch, layers=LAYERS, dtype="bf16", **SCHEMES["int4"])
     reference = dequantised_reference(source, layout)
@@ -128,7 +140,7 @@ def test_int4_kernel_in_bf16_adds_no_more_error_than_bf16_itself(arch, make_sour
     with zerolite.load(layout, device="cpu", offload="nvme", cpu_memory=0, show_progress=False) as lm:
         kernel_error = (teacher_forced_logits(lm.model, sequences) - expected).abs().max()
     assert calls, "the int4 kernel never ran"
-    assert kernel_error <= 2 * bf16_error, f"kernel {kernel_error:.3f} against bf16's own {bf16_error:.3f}"
+    assert kernel_error <= BF16_PATHS[path] * bf16_error, f"kernel {kernel_error:.3f} against bf16's own {bf16_error:.3f}"
 
 
 @pytest.mark.parametrize("in_features", [512, 576], ids=["whole-groups", "a-partial-group"])

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the folder --layout is in)")
     parser.add_argument("--llamacpp-plain", action="store_true",
                         help="llama.cpp without its repacked weights (AMX, AVX-512 interleaved): where they crash")
+    parser.add_argument("--llamacpp-in-ram", action="store_true",
+                        help="llama.cpp reads its whole file into RAM while loading (no mmap), as zerolite's "
+                        "offload cpu does: its prefill then reads nothing from disk")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one contender may take")
     parser.add_argument("--json", default=None, help="write every figure here too")
     return parser
@@ -144,6 +147,7 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
                "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
                *(["--layers", str(args.layers)] if getattr(args, "layers", None) else []),
                *(["--llamacpp-plain"] if args.llamacpp_plain else []),
+               *(["--llamacpp-in-ram"] if args.llamacpp_in_ram else []),
                "--out", str(out), "--started", str(time.time())]
     cgroup = MemoryCgroup.create(name, limit) if limit else None
     drop_page_cache()

@@ -3,10 +3,12 @@ and row counts from decode to prefill, beside the memory-bandwidth bound.
 
     python tools/bench_kernels.py [--rows 1,16,64,512] [--shapes smollm2,7b] [--threads 2] [--json out.json]
 
-Kernels: torch's int4 (aten._weight_int4pack_mm_for_cpu, bf16 rows), int4 dequantised then a
-bf16 matmul (zerolite's path for prefill), torch's int8 (aten._weight_int8pack_mm), bf16
-(F.linear), and zerolite's own int4 and int8 kernels (zerolite.quant.cpu_kernels, each path the
-CPU runs: the best by default). int4 in groups of 32, int8 per output channel.
+Kernels, all given bf16 rows: torch's int4 (aten._weight_int4pack_mm_for_cpu), int4 dequantised
+by torch's tensor ops then a bf16 matmul (zerolite's prefill path before its own kernels), torch's
+int8 (aten._weight_int8pack_mm), bf16 (F.linear), and zerolite's own int4 and int8 kernels
+(zerolite.quant.cpu_kernels: the best path the CPU runs for bf16 rows, or ZEROLITE_CPU_KERNEL's)
+and its int4 prefill path (its one-pass dequantisation into W^T, then torch's bf16 matmul). int4
+in groups of 32, int8 per output channel.
 
 Weights are read cold: each call takes the next of as many copies of the weight as fill
 COLD_BYTES, more than the last-level cache, so every call reads its weight from memory as a
@@ -25,10 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zerolite  # noqa: E402,F401  (first: torch's threads then wait as they do under zerolite, zerolite.openmp)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from zerolite.quant import cpu_kernels  # noqa: E402
 from zerolite.quant.linear import dequantize_int4  # noqa: E402
@@ -86,6 +89,11 @@ def formats(out: int, inp: int, hot: bool):
     t4 = copies_of((torch_packed, scale_zero), int4_bytes)
     z4 = copies_of((packed, scale_zero), int4_bytes)
     z8 = copies_of((q8, scale8), int8_bytes)
+    transposed = torch.empty((inp, out), dtype=torch.bfloat16)  # the prefill's scratch buffer, kept
+
+    def zerolite_dequantised(i, x):
+        cpu_kernels.int4_dequantize_transposed(transposed, z4[i][0], z4[i][1], GROUP_SIZE, scheme.packing)
+        return torch.matmul(x, transposed)
     return {
         "torch-bf16": (weight.nbytes, len(bf16), lambda i, x: F.linear(x, bf16[i][0])),
         "torch-int4": (int4_bytes, len(t4), lambda i, x: torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -95,6 +103,7 @@ def formats(out: int, inp: int, hot: bool):
         "torch-int8": (int8_bytes, len(z8), lambda i, x: torch.ops.aten._weight_int8pack_mm(x, z8[i][0], z8[i][1])),
         "zerolite-int4": (int4_bytes, len(z4), lambda i, x: cpu_kernels.int4_matmul(
             x, z4[i][0], z4[i][1], out, GROUP_SIZE, scheme.packing)),
+        "zerolite-int4-dequantised": (int4_bytes, len(z4), zerolite_dequantised),
         "zerolite-int8": (int8_bytes, len(z8), lambda i, x: cpu_kernels.int8_matmul(x, z8[i][0], z8[i][1])),
     }
 
