@@ -1,10 +1,16 @@
 // The one file that knows Python: it releases the GIL around every call that can block and turns
-// the engine's errors into OSError subclasses that carry errno and the file name.
+// the engine's errors into OSError subclasses that carry errno and the file name. The CPU matmul
+// kernels take tensors as addresses and sizes (zerolite.quant.cpu_kernels checks them): a call
+// costs no conversion, where a decode step makes hundreds.
 #include <Python.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+
+#include "cpu_matmul.h"
 #include "io_engine.h"
 
 namespace nb = nanobind;
@@ -71,4 +77,49 @@ NB_MODULE(_engine, m) {
       .def_prop_ro("backend", &IoEngine::backend_name)
       .def_prop_ro("queue_depth", [](const IoEngine& e) { return e.options().queue_depth; })
       .def_prop_ro("chunk_bytes", [](const IoEngine& e) { return e.options().chunk_bytes; });
+
+  m.def("cpu_kernel_paths", &zerolite::supported_cpu_paths);
+  m.def("cpu_kernel_path", [](const std::string& name) { return static_cast<int>(zerolite::cpu_path_named(name)); },
+        "name"_a);
+  m.def(
+      "int4_matmul",
+      [](std::uintptr_t x, std::int64_t rows, std::int64_t x_stride, std::uintptr_t y, std::int64_t y_stride,
+         std::uintptr_t packed, std::int64_t out_features, std::int64_t in_features, std::int64_t stored_in,
+         int group_size, int block_rows, bool halves, std::uintptr_t scale_zero, bool bf16_scales, int path,
+         int threads) {
+        zerolite::Int4Weight weight{reinterpret_cast<const std::uint8_t*>(packed), out_features, in_features,
+                                    stored_in, group_size, block_rows, halves,
+                                    reinterpret_cast<const void*>(scale_zero), bf16_scales};
+        zerolite::Rows r{reinterpret_cast<const float*>(x), rows, x_stride, reinterpret_cast<float*>(y), y_stride};
+        zerolite::int4_matmul(weight, r, static_cast<zerolite::CpuPath>(path), threads);
+      },
+      "x"_a, "rows"_a, "x_stride"_a, "y"_a, "y_stride"_a, "packed"_a, "out_features"_a, "in_features"_a,
+      "stored_in"_a, "group_size"_a, "block_rows"_a, "halves"_a, "scale_zero"_a, "bf16_scales"_a, "path"_a,
+      "threads"_a, nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "int4_dequantize_transposed",
+      [](std::uintptr_t out, bool bf16, std::uintptr_t packed, std::int64_t out_features, std::int64_t in_features,
+         std::int64_t stored_in, int group_size, int block_rows, bool halves, std::uintptr_t scale_zero,
+         bool bf16_scales, int path, int threads) {
+        zerolite::Int4Weight weight{reinterpret_cast<const std::uint8_t*>(packed), out_features, in_features,
+                                    stored_in, group_size, block_rows, halves,
+                                    reinterpret_cast<const void*>(scale_zero), bf16_scales};
+        zerolite::int4_dequantize_transposed(weight, reinterpret_cast<void*>(out), bf16,
+                                             static_cast<zerolite::CpuPath>(path), threads);
+      },
+      "out"_a, "bf16"_a, "packed"_a, "out_features"_a, "in_features"_a, "stored_in"_a, "group_size"_a,
+      "block_rows"_a, "halves"_a, "scale_zero"_a, "bf16_scales"_a, "path"_a, "threads"_a,
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "int8_matmul",
+      [](std::uintptr_t x, std::int64_t rows, std::int64_t x_stride, std::uintptr_t y, std::int64_t y_stride,
+         std::uintptr_t q, std::int64_t out_features, std::int64_t in_features, std::uintptr_t scale, int path,
+         int threads) {
+        zerolite::Int8Weight weight{reinterpret_cast<const std::int8_t*>(q), out_features, in_features,
+                                    reinterpret_cast<const float*>(scale)};
+        zerolite::Rows r{reinterpret_cast<const float*>(x), rows, x_stride, reinterpret_cast<float*>(y), y_stride};
+        zerolite::int8_matmul(weight, r, static_cast<zerolite::CpuPath>(path), threads);
+      },
+      "x"_a, "rows"_a, "x_stride"_a, "y"_a, "y_stride"_a, "q"_a, "out_features"_a, "in_features"_a, "scale"_a,
+      "path"_a, "threads"_a, nb::call_guard<nb::gil_scoped_release>());
 }

@@ -26,12 +26,12 @@ The compute: transformers' decode step with every weight in RAM (with --memory-l
 more run of it, outside the limit); for an int8 or int4 contender, zerolite-cpu-SCHEME's step where
 that contender ran (the quantized kernels' compute, not a bf16 matmul's), else transformers'.
 
-The llama.cpp contenders (llamacpp-bf16, llamacpp-q4_0) run GGUF files of --source made by
+The llama.cpp contenders (llamacpp-bf16, llamacpp-q4_0, llamacpp-q8_0) run GGUF files of --source made by
 tools/bench_gguf.py before the first round and kept in --scratch's folder for later runs. Their
-tokens come from other kernels (and, for q4_0, other weights): beside them is the share of new
+tokens come from other kernels (and, for q4_0 and q8_0, other weights): beside them is the share of new
 tokens equal to transformers' up to each row's first difference (greedy decoding goes on from its
-own tokens, so what follows a difference is no longer comparable). q4_0 has no bound: no read-only
-pass is run over weights of its size.
+own tokens, so what follows a difference is no longer comparable). q4_0 and q8_0 have no bound: no read-only
+pass is run over weights of their sizes.
 
 --memory-limit SIZE runs each contender in a memory cgroup of that size (v2 where available, else
 v1; swap limited too): below the model's size, contenders that lean on the page cache meet the
@@ -79,7 +79,7 @@ FIO_CHUNK, FIO_DEPTH = 1 << 20, 32  # the engine's defaults
 
 # Contenders whose name ends in -SCHEME run the same model converted with these convert arguments,
 # from --SCHEME-layout.
-QUANTIZED = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=64)}
+QUANTIZED = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=32)}  # 32: as Q4_0
 LLAMACPP = "llamacpp-"  # contenders whose name starts so run the GGUF file of the weights named after it
 
 
@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scratch", default=None, help="folder for DeepSpeed's NVMe swap and accelerate's offload, "
                         "in a temporary folder made in it, and for the llama.cpp contenders' GGUF files, kept "
                         "(default: the folder --layout is in)")
+    parser.add_argument("--llamacpp-plain", action="store_true",
+                        help="llama.cpp without its repacked weights (AMX, AVX-512 interleaved): where they crash")
+    parser.add_argument("--llamacpp-in-ram", action="store_true",
+                        help="llama.cpp reads its whole file into RAM while loading (no mmap), as zerolite's "
+                        "offload cpu does: its prefill then reads nothing from disk")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one contender may take")
     parser.add_argument("--json", default=None, help="write every figure here too")
     return parser
@@ -141,6 +146,8 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
                "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
                "--prompt-tokens", str(args.prompt_tokens), "--half-bytes", str(half_bytes), "--scratch", scratch,
                *(["--layers", str(args.layers)] if getattr(args, "layers", None) else []),
+               *(["--llamacpp-plain"] if args.llamacpp_plain else []),
+               *(["--llamacpp-in-ram"] if args.llamacpp_in_ram else []),
                "--out", str(out), "--started", str(time.time())]
     cgroup = MemoryCgroup.create(name, limit) if limit else None
     drop_page_cache()
@@ -326,7 +333,7 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
         if r["failed_runs"]:
             same += f" ({r['failed_runs']} of {len(r['runs'])} runs failed)"
         step = r["decode_step_s"]
-        own_bound = None if name == LLAMACPP + "q4_0" else quantized_bounds[scheme] if scheme else bound
+        own_bound = None if name in (LLAMACPP + "q4_0", LLAMACPP + "q8_0") else quantized_bounds[scheme] if scheme else bound
         table.add_row(
             name, f"{r['ready_s']:.1f}", f"{r['prefill_s']:.2f}", f"{step:.3f}", f"{r['decode_step_spread']:.2f}x",
             f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}",

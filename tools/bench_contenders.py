@@ -173,14 +173,18 @@ def deepspeed_zero3(args, offload: str):
 
 
 def llamacpp(args, weights: str):
-    """llama.cpp on the GGUF file bench.py made (tools/bench_gguf.py), memory-mapped, with its own
-    defaults otherwise. Through its C API rather than llama_cpp.Llama, whose context holds one
-    sequence: a batch of prompts decodes together only in a context of batch-size sequences."""
+    """llama.cpp on the GGUF file bench.py made (tools/bench_gguf.py), memory-mapped (or read whole
+    with --llamacpp-in-ram), with its own defaults otherwise. Through its C API rather than
+    llama_cpp.Llama, whose context holds one sequence: a batch of prompts decodes together only in
+    a context of batch-size sequences."""
     import llama_cpp
 
     llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
-    model_params.use_mmap = True
+    model_params.use_mmap = not args.llamacpp_in_ram
+    # --llamacpp-plain: its plain kernels only; its AMX repacking crashed a 2-core Sapphire Rapids VM
+    # (SIGSEGV at the first decode, llama-cpp-python 0.3.36).
+    model_params.use_extra_bufts = not args.llamacpp_plain
     path = Path(args.gguf_folder) / f"{weights}.gguf"
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
     if not model:
@@ -256,6 +260,7 @@ CONTENDERS = {
     "accelerate-disk": accelerate_disk,
     "llamacpp-bf16": lambda a: llamacpp(a, "bf16"),
     "llamacpp-q4_0": lambda a: llamacpp(a, "q4_0"),
+    "llamacpp-q8_0": lambda a: llamacpp(a, "q8_0"),
 }
 
 
@@ -286,6 +291,8 @@ def main() -> None:
     parser.add_argument("--half-bytes", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="zerolite-compute-in-ram: decoder layers to build")
     parser.add_argument("--scratch", default="/tmp")
+    parser.add_argument("--llamacpp-plain", action="store_true", help="llama.cpp without its repacked weights")
+    parser.add_argument("--llamacpp-in-ram", action="store_true", help="llama.cpp's file read into RAM, not mapped")
     parser.add_argument("--started", type=float, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

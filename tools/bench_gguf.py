@@ -9,8 +9,8 @@ script cannot be used: it needs the model's tokenizer, and the benchmark's rando
 tensors named by the gguf map for MODEL_ARCH.LLAMA, the q and k projections' rows permuted (HF's
 rotary embedding pairs dimension i of a head with i + head_dim/2, llama.cpp's with i + 1), 1-D
 tensors (norms) in f32. The prompts are token ids, so the vocabulary is vocab_size synthetic tokens.
-q4_0 is llama.cpp's own quantizer (llama_model_quantize, with its defaults: output.weight in
-Q6_K, as in the Q4_0 files people download) run on the bf16 file.
+q4_0 and q8_0 are llama.cpp's own quantizer (llama_model_quantize, with its defaults: for Q4_0,
+output.weight in Q6_K, as in the Q4_0 files people download) run on the bf16 file.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from safetensors import safe_open
 
 from zerolite.errors import ZeroliteError
 
-WEIGHTS = ("bf16", "q4_0")
+WEIGHTS = ("bf16", "q4_0", "q8_0")
+FILE_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # llama.cpp's quantizer's
 CONTROL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2, as in Llama's own vocabulary
 
 
@@ -50,7 +51,7 @@ def make_gguf(source: Path, folder: Path, weights: str) -> Path:
         if weights == "bf16":
             write_bf16(source, partial)
         else:
-            quantize_q4_0(make_gguf(source, folder, "bf16"), partial)
+            quantize(make_gguf(source, folder, "bf16"), partial, weights)
         partial.rename(path)
     return path
 
@@ -130,10 +131,10 @@ def rotary_pairs_adjacent(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
-def quantize_q4_0(bf16: Path, path: Path) -> None:
+def quantize(bf16: Path, path: Path, weights: str) -> None:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.ftype = getattr(llama_cpp, FILE_TYPES[weights])
     if llama_cpp.llama_model_quantize(str(bf16).encode(), str(path).encode(), ctypes.byref(params)) != 0:
-        raise ZeroliteError(f"llama.cpp could not quantize {bf16} to Q4_0")
+        raise ZeroliteError(f"llama.cpp could not quantize {bf16} to {weights.upper()}")

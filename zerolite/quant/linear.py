@@ -3,13 +3,14 @@ from a slot as views like any other block's, with no copy.
 
     install(model, manifest, device)   # swaps the layers' quantized Linear / Conv1D modules for them
 
-Where host memory is the device's (a CPU), a decode step computes with torch's weight-only kernels
-(aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu), which read the weight as stored:
-nothing is dequantised or repacked per decode step. Those kernels' cost grows with the rows far
-faster than a matmul's, so from a threshold of rows on (a prefill) the weight is dequantised once
-for the call into the activations' dtype and an ordinary matmul runs. The int4 kernel is fast only
-with bf16 activations (fp32 and fp16 take a scalar path, far slower than a dense matmul), so other dtypes
-always dequantise. Where the device has memory of its own (a GPU), the quantized bytes are what
+Where host memory is the device's (a CPU), a decode step computes with zerolite's own kernels
+(zerolite.quant.cpu_kernels), which read the weight as stored, in any int4 packing a layout
+records: nothing is dequantised or repacked per decode step. (torch's weight-only kernels,
+aten._weight_int4pack_mm_for_cpu and _weight_int8pack_mm, ran tens of times slower on 2 threads:
+docs/benchmarks-cpu-kernels.md.) Their cost grows with the rows like a matmul's without its
+blocking for the cache, so from a threshold of rows on (a prefill) the weight is dequantised once
+for the call into the activations' dtype and torch's matmul runs (oneDNN: AMX or AVX-512 in bf16).
+Where the device has memory of its own (a GPU), the quantized bytes are what
 crosses the link (about a half or a quarter of bf16's). There int4 multiplies through torch's fused
 kernel (zerolite.quant.gpu_int4) below FUSED_INT4_ROWS rows, its packed form made once per slot fill
 (the first call after the weight is bound) and dropped when the block is unbound; from that many
@@ -25,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerolite import memory_model
-from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
 from zerolite.layout.manifest import DTYPES, Manifest, TensorEntry
+from zerolite.quant.cpu_kernels import int4_dequantize_transposed, int4_matmul, int8_matmul
 from zerolite.quant.gpu_int4 import Int4Kernel, fits, inner_k_tiles, int4_kernel, paired_columns
-from zerolite.quant.int4_packing import Int4Packing, cpu_packing, unpack_int4
+from zerolite.quant.int4_packing import Int4Packing, unpack_int4
 from zerolite.quant.quantize import (
     SCALE_SUFFIX,
     SCALE_ZERO_SUFFIX,
@@ -38,12 +39,11 @@ from zerolite.quant.quantize import (
     whole_groups,
 )
 
-# From these many rows on, dequantise-then-matmul beats the kernel: the kernel's cost grows with
-# the rows far faster than a matmul's, while dequantising costs the same for one row as for many.
-# int4's threshold is higher, as unpacking its nibbles costs more than widening int8. Where the
-# two cross depends on the CPU; these were set from the CPUs measured (the README's figures).
+# From these many rows on, dequantise-then-matmul beats the CPU kernels: their cost grows with
+# the rows, while dequantising costs the same for one row as for many. Where the two cross depends
+# on the CPU; these were set from the one measured (docs/benchmarks-cpu-kernels.md).
 DEQUANTIZE_ROWS = 64
-INT4_DEQUANTIZE_ROWS = 512
+INT4_DEQUANTIZE_ROWS = 64
 # On a GPU, below these many rows int4 multiplies through the fused kernel. An H100, 8192 x 28672:
 # fused 0.27 ms at 16 rows, 1.02 at 64, 4.1 at 256; dequantising with Scratch reads and writes
 # about 11 bytes a weight (some 1 ms at the H100's bandwidth, not yet measured) plus bf16's 0.17.
@@ -54,7 +54,8 @@ class Scratch:
     """The buffer a GPU's quantized layers dequantise into, one after another on the compute
     stream (each layer's matmul has read it before the next layer writes it): the largest weight
     once in the activations' dtype, taken once and kept, where a fresh allocation per call would
-    churn the allocator. Counted in dequantize_workspace."""
+    churn the allocator. Counted in dequantize_workspace. A CPU's int4 layers dequantise a
+    prefill's weights into one too (a fresh one per call took a page fault every 4 KiB)."""
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
@@ -76,7 +77,7 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.dequantize = dequantize
-        self.scratch = scratch  # where a GPU dequantises the weight for a call (None: a fresh tensor)
+        self.scratch = scratch  # where a GPU, or a CPU for a prefill, dequantises the weight (None: a fresh tensor)
         self.bias = bias
         self.dense: torch.Tensor | None = None  # the weight dequantised once, for a layer resident on a GPU
 
@@ -98,10 +99,12 @@ class QuantizedLinear(nn.Module):
     def unbound(self) -> None:
         """The block's tensors were taken out (zerolite.runtime.binding): what was made from them goes."""
 
-    def _buffer(self, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, shape: tuple[int, int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer on like's device, in like's dtype unless another is given."""
+        dtype = dtype or like.dtype
         if self.scratch is None:
-            return torch.empty(shape, dtype=like.dtype, device=like.device)
-        return self.scratch.take(shape, like.dtype, like.device)
+            return torch.empty(shape, dtype=dtype, device=like.device)
+        return self.scratch.take(shape, dtype, like.device)
 
 
 class Int8Linear(QuantizedLinear):
@@ -117,8 +120,7 @@ class Int8Linear(QuantizedLinear):
             return self.widened_multiply(rows)
         if rows.shape[0] >= DEQUANTIZE_ROWS:
             return F.linear(rows, self.dequantized(rows.dtype))
-        scale = getattr(self, "weight" + SCALE_SUFFIX).to(rows.dtype)
-        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, scale)
+        return int8_matmul(rows, self.weight, getattr(self, "weight" + SCALE_SUFFIX)).to(rows.dtype)
 
     def widened_multiply(self, rows: torch.Tensor) -> torch.Tensor:
         """A GPU's path: the int8 weight widened once into the scratch buffer (its integers are
@@ -163,10 +165,14 @@ class Int4Linear(QuantizedLinear):
             weight = self._buffer((self.out_features, self.stored_in), rows)
             dequantize_int4_into(weight, self.weight, scale_zero, self.group_size, self.packing)
             return F.linear(self.padded(rows), weight)
-        if rows.dtype != torch.bfloat16 or rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
-            return F.linear(rows, self.dequantized(rows.dtype))
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(self.padded(rows), self.weight, self.group_size,
-                                                          scale_zero.to(rows.dtype))
+        if rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
+            # The transpose, as the kernel writes it in one pass; torch's matmul takes either.
+            dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
+            transposed = self._buffer((self.in_features, self.out_features), rows, dtype)
+            int4_dequantize_transposed(transposed, self.weight, scale_zero, self.group_size, self.packing)
+            return torch.matmul(rows.to(dtype), transposed).to(rows.dtype)
+        return int4_matmul(rows, self.weight, scale_zero, self.out_features, self.group_size,
+                           self.packing).to(rows.dtype)
 
     def padded(self, rows: torch.Tensor) -> torch.Tensor:
         """rows with zeros against the weight's padding columns: whatever those hold, they add nothing."""
@@ -242,9 +248,7 @@ def install(model: nn.Module, manifest: Manifest, device: Device) -> None:
         return
     scheme = WeightScheme.from_manifest(manifest.quantization)
     scale_dtype = DTYPES[manifest.dtype]
-    if scheme.name == "int4" and not device.separate_memory and scale_dtype == torch.bfloat16:
-        check_packing(scheme)
-    scratch = Scratch() if device.separate_memory else None
+    scratch = Scratch()
     kernel = int4_kernel(device) if scheme.name == "int4" and device.separate_memory else None
     for block in manifest.blocks:
         for weight in quantized_weights(manifest, block.name):
@@ -313,14 +317,3 @@ def dequantize_workspace(manifest: Manifest) -> int:
     packed = max((sum(tensor.nbytes for tensor in tensors) for tensors in blocks), default=0)
     return memory_model.dequantize_workspace(manifest.quantization["weights"], largest, DTYPES[manifest.dtype], packed)
 
-
-def check_packing(scheme: WeightScheme) -> None:
-    """The CPU int4 kernel reads its own packed order: a layout packed for another torch or another
-    kind of CPU would compute garbage there, so it is refused."""
-    here = cpu_packing()
-    if scheme.packed_by != torch.__version__ or scheme.packing != here:
-        raise ZeroliteError(
-            f"this layout's int4 weights were packed by torch {scheme.packed_by} in {scheme.packing.block_rows}-row "
-            f"blocks, which torch {torch.__version__}'s int4 kernel does not read on this CPU (it wants "
-            f"{here.block_rows}-row blocks from torch {torch.__version__}): convert the model again with `weights` int4"
-        )

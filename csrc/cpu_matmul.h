@@ -1,0 +1,66 @@
+// Weight-only quantized matmuls on the CPU: y[m, :] = x[m, :] @ W^T with W stored as int4 or int8,
+// read as a layout stores it (nothing repacked), fp32 activations and outputs. Each kernel has
+// one path per instruction set, picked at run time (CpuPath); each path is compiled with its own
+// target attribute, so the library runs on any x86-64 and uses what the CPU it runs on offers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zerolite {
+
+// avx512vnni (int4 only; int8 runs avx512 there) quantizes the rows of x to int8 in blocks of 32
+// columns, as llama.cpp does, and multiplies integers: four times the weights a cycle, at the
+// cost of the activations' rounding. The others compute in fp32 exactly as the weights dequantise.
+enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3 };
+
+// The paths this CPU can run, best last (scalar always).
+std::vector<std::string> supported_cpu_paths();
+CpuPath cpu_path_named(const std::string& name);  // throws std::invalid_argument for an unknown or unsupported one
+
+// int4, as zerolite.quant.int4_packing stores torch's CPU packing: output rows in blocks of
+// block_rows, each block column by column, block_rows / 2 bytes a column; "halves": byte d holds
+// rows d (low nibble) and d + block_rows / 2, else ("pairs") rows 2d and 2d + 1. A last block of
+// fewer rows is always "pairs". weight = (q - 8) * scale + zero per group of input columns, with
+// scale_zero [groups, out, 2] in bf16 or fp32. stored_in: in_features rounded up to whole groups.
+struct Int4Weight {
+  const uint8_t* packed;
+  int64_t out_features, in_features, stored_in;
+  int group_size, block_rows;
+  bool halves;
+  const void* scale_zero;
+  bool bf16_scales;  // else fp32
+};
+
+// int8: q [out, in] row-major, weight = q * scale[row] (scales in fp32).
+struct Int8Weight {
+  const int8_t* q;
+  int64_t out_features, in_features;
+  const float* scale;
+};
+
+// rows of x (fp32, row stride x_stride elements, in_features wide) in, rows of y (y_stride) out.
+struct Rows {
+  const float* x;
+  int64_t count, x_stride;
+  float* y;
+  int64_t y_stride;
+};
+
+void int4_matmul(const Int4Weight& weight, const Rows& rows, CpuPath path, int threads);
+
+// The int4 weight dequantised and transposed: out[k, n] = weight[n, k] for k < in_features, as
+// bf16 (round to nearest even) or fp32, each column of a block's nibbles one run of out's row k.
+// For a prefill, where a matmul of many rows beats the kernels above. AVX2 takes the plain path.
+void int4_dequantize_transposed(const Int4Weight& weight, void* out, bool bf16, CpuPath path, int threads);
+void int8_matmul(const Int8Weight& weight, const Rows& rows, CpuPath path, int threads);
+
+}  // namespace zerolite
+
+#if defined(__x86_64__) || defined(__i386__)
+#define ZEROLITE_X86 1
+#define ZEROLITE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+#define ZEROLITE_AVX2 __attribute__((target("avx2,fma")))
+#define ZEROLITE_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma")))
+#endif

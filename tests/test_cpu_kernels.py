@@ -1,0 +1,123 @@
+"""zerolite's CPU kernels for int4 and int8 weights (zerolite.quant.cpu_kernels): every path this
+CPU runs, forced with ZEROLITE_CPU_KERNEL, against the fp32 matmul of the same weights
+dequantised, on shapes that reach each tail: a last block of fewer output rows (16, 48), a
+partial last group, widths that are no multiple of a vector, and row counts off the tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerolite.errors import ZeroliteError
+from zerolite.quant import cpu_kernels
+from zerolite.quant.int4_packing import CANDIDATES, Int4Packing, pack_int4, unpack_int4
+from zerolite.quant.linear import dequantize_int4
+from zerolite.quant.quantize import quantize_int4, quantize_int8
+
+PATHS = cpu_kernels.supported_paths()
+# (out, in, group): out a multiple of 16 (the packer's), its last block of 16, 32 or 48 rows
+# after whole blocks of 64; in with a partial last group, or odd.
+INT4_SHAPES = [(64, 64, 32), (80, 100, 32), (48, 70, 64), (112, 33, 32), (192, 576, 128), (16, 129, 64)]
+INT8_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (192, 576), (130, 1537)]
+ROW_COUNTS = [1, 3, 4, 6, 9]
+RELATIVE = 2e-6  # fp32 sums in another order: a few ulps of the largest output
+ROUNDED_RELATIVE = 1e-2  # x rounded to int8 per 32 columns: about 0.5% measured
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, request.param)
+    return request.param
+
+
+def assert_close(got: torch.Tensor, exact: torch.Tensor, terms: int) -> None:
+    tolerance = RELATIVE * terms ** 0.5 * exact.abs().max()
+    assert (got - exact).abs().max() <= tolerance, (got - exact).abs().max() / exact.abs().max()
+
+
+@pytest.mark.parametrize("packing", CANDIDATES, ids=lambda p: f"{p.block_rows}-{p.interleave}")
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_int4_computes_what_its_weights_dequantise_to(path, packing, shape, scale_dtype):
+    """avx512vnni rounds x to int8 per 32 columns: held to a relative error, not to fp32's."""
+    out, inp, group = shape
+    generator = torch.Generator().manual_seed(out * inp)
+    q, scale_zero = quantize_int4(torch.randn(out, inp, generator=generator).to(scale_dtype), group)
+    packed = pack_int4(q, packing)
+    weight = dequantize_int4(packed, scale_zero.float(), group, packing, torch.float32)[:, :inp]
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, inp, generator=generator)
+        got, exact = cpu_kernels.int4_matmul(x, packed, scale_zero, out, group, packing), x @ weight.t()
+        if path in cpu_kernels.ROUNDS_ACTIVATIONS:
+            assert (got - exact).norm() <= ROUNDED_RELATIVE * exact.norm(), (got - exact).norm() / exact.norm()
+        else:
+            assert_close(got, exact, inp)
+
+
+def test_only_rows_already_rounded_take_the_path_that_rounds_them(monkeypatch):
+    """By default fp32 rows take the best exact path, bf16 rows the best path."""
+    monkeypatch.delenv(cpu_kernels.PATH_VARIABLE, raising=False)
+    exact = [path for path in PATHS if path not in cpu_kernels.ROUNDS_ACTIVATIONS][-1]
+    assert cpu_kernels.kernel_path(exact=True) == cpu_kernels._path_number(exact)
+    assert cpu_kernels.kernel_path(exact=False) == cpu_kernels._path_number(PATHS[-1])
+
+
+@pytest.mark.parametrize("packing", CANDIDATES, ids=lambda p: f"{p.block_rows}-{p.interleave}")
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_dequantises_into_its_transpose(path, packing, shape, dtype):
+    """The prefill's path: every weight as dequantize_int4 makes it, in fp32 or rounded to bf16
+    (to nearest even, as torch rounds), the stored padding columns left out."""
+    out, inp, group = shape
+    generator = torch.Generator().manual_seed(out + inp)
+    q, scale_zero = quantize_int4(torch.randn(out, inp, generator=generator).bfloat16(), group)
+    packed = pack_int4(q, packing)
+    expected = dequantize_int4(packed, scale_zero.float(), group, packing, torch.float32)[:, :inp].t()
+    got = cpu_kernels.int4_dequantize_transposed(torch.full((inp, out), float("nan"), dtype=dtype), packed,
+                                                 scale_zero, group, packing)
+    assert torch.allclose(got.float(), expected.to(dtype).float(), rtol=0, atol=1e-6 * expected.abs().max())
+
+
+@pytest.mark.parametrize("shape", INT8_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_int8_computes_what_its_weights_dequantise_to(path, shape):
+    out, inp = shape
+    generator = torch.Generator().manual_seed(out * inp)
+    q, scale = quantize_int8(torch.randn(out, inp, generator=generator).bfloat16())
+    weight = q.float() * scale.float()[:, None]
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, inp, generator=generator)
+        assert_close(cpu_kernels.int8_matmul(x, q, scale), x @ weight.t(), inp)
+
+
+def test_the_kernels_take_rows_of_any_layout_and_dtype(path):
+    """A transposed or bf16 input is made fp32 rows first; the outputs are the same."""
+    q, scale = quantize_int8(torch.randn(96, 40))
+    x = torch.randn(40, 5)
+    assert torch.equal(cpu_kernels.int8_matmul(x.t(), q, scale), cpu_kernels.int8_matmul(x.t().contiguous(), q, scale))
+
+
+def test_a_packing_the_kernel_was_not_given_computes_something_else():
+    """The kernel reads the packing it is told: the same bytes read as another packing differ
+    (so a wrong record in a manifest could not pass the tests above by chance)."""
+    q, scale_zero = quantize_int4(torch.randn(128, 64), 32)
+    halves, pairs = Int4Packing(64, "halves"), Int4Packing(64, "pairs")
+    packed = pack_int4(q, halves)
+    assert torch.equal(unpack_int4(packed, 128, 64, halves), q)
+    x = torch.randn(1, 64)
+    assert not torch.allclose(cpu_kernels.int4_matmul(x, packed, scale_zero, 128, 32, halves),
+                              cpu_kernels.int4_matmul(x, packed, scale_zero, 128, 32, pairs))
+
+
+def test_an_unknown_or_missing_path_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, "neon")
+    with pytest.raises(ZeroliteError, match=f"ZEROLITE_CPU_KERNEL=neon: this CPU runs the kernel paths {', '.join(PATHS)}"):
+        cpu_kernels.int8_matmul(torch.randn(1, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+
+
+def test_shapes_that_do_not_match_the_weight_are_refused():
+    q, scale_zero = quantize_int4(torch.randn(64, 64), 32)
+    packing = CANDIDATES[0]
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_kernels.int4_matmul(torch.randn(1, 96), pack_int4(q, packing), scale_zero, 64, 32, packing)
+    with pytest.raises(ValueError, match=r"rows must be a CPU tensor \[rows, 8\]"):
+        cpu_kernels.int8_matmul(torch.randn(8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))

@@ -1,0 +1,124 @@
+"""zerolite's own CPU kernels for int4 and int8 weights (csrc/int4_matmul.cpp, csrc/int8_matmul.cpp):
+they read the weights as a layout stores them, take fp32 rows and give fp32 rows.
+
+    y = int4_matmul(x, packed, scale_zero, out_features, group_size, packing)   # x: [rows, in] fp32
+    y = int8_matmul(x, q, scale)
+    dequantize_int4_transposed(out, packed, scale_zero, group_size, packing)      # out: [in, out] bf16 or fp32
+
+Each kernel has a path per instruction set (AVX-512, AVX2 with FMA, plain C++), chosen at run time
+from what the CPU offers, or forced with ZEROLITE_CPU_KERNEL=avx512vnni|avx512|avx2|scalar (tests
+run every path the CPU has). Those compute in fp32 exactly what the weights dequantise to. Where
+the CPU has AVX-512 VNNI and VBMI, int4 rows that are not fp32 (bf16, fp16: already rounded) take
+avx512vnni, which rounds them to int8 per 32 columns, as llama.cpp's Q4_0 does, and multiplies
+bytes: several times faster, at about 0.5% of relative error in a product
+(docs/benchmarks-cpu-kernels.md gives its perplexity); fp32 rows keep the exact path. They run on torch's thread count, on a pool of the extension's own whose idle
+threads sleep, and release the GIL. Tensors go in as addresses: the checks here are all they get.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from zerolite import _engine
+from zerolite.errors import ZeroliteError
+from zerolite.quant.int4_packing import Int4Packing
+
+PATH_VARIABLE = "ZEROLITE_CPU_KERNEL"
+ROUNDS_ACTIVATIONS = ("avx512vnni",)  # int4 there: x rounded to int8 per 32 columns, as llama.cpp does
+
+
+def supported_paths() -> list[str]:
+    """The kernel paths this CPU runs, best last."""
+    return list(_engine.cpu_kernel_paths())
+
+
+@functools.cache
+def _path_number(name: str) -> int:
+    try:
+        return _engine.cpu_kernel_path(name)
+    except ValueError:
+        raise ZeroliteError(f"{PATH_VARIABLE}={name}: this CPU runs the kernel paths "
+                            f"{', '.join(supported_paths())}") from None
+
+
+@functools.cache
+def _best(exact: bool) -> str:
+    return [path for path in supported_paths() if not (exact and path in ROUNDS_ACTIVATIONS)][-1]
+
+
+def kernel_path(exact: bool = True) -> int:
+    """The path the kernels take: ZEROLITE_CPU_KERNEL's, else the best this CPU runs, less those
+    that round the activations where exact."""
+    return _path_number(os.environ.get(PATH_VARIABLE) or _best(exact))
+
+
+def _checked(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"rows must be a CPU tensor [rows, {in_features}], not {tuple(x.shape)} on {x.device}")
+    return x.float().contiguous()
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int,
+                group_size: int, packing: Int4Packing) -> torch.Tensor:
+    """x [rows, in] @ the int4 weight's transpose, in fp32 (x rounded to int8 first where x is not
+    fp32 and the CPU runs avx512vnni). packed: uint8 [out, stored in / 2] in
+    packing's order; scale_zero: [groups, out, 2], weight = (q - 8) * scale + zero. x may be
+    narrower than the stored width (a partial last group): the padding is skipped."""
+    groups = scale_zero.shape[0]
+    stored_in = groups * group_size
+    in_features = x.shape[-1]
+    if (packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, stored_in // 2) or not packed.is_contiguous()
+            or tuple(scale_zero.shape) != (groups, out_features, 2) or not stored_in - group_size < in_features <= stored_in):
+        raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
+                         f"packed {tuple(packed.shape)} and scale_zero {tuple(scale_zero.shape)}")
+    exact = x.dtype == torch.float32
+    x = _checked(x, in_features)
+    if scale_zero.dtype != torch.bfloat16:
+        scale_zero = scale_zero.float()
+    scale_zero = scale_zero.contiguous()
+    y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    _engine.int4_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, packed.data_ptr(),
+                        out_features, in_features, stored_in, group_size, packing.block_rows,
+                        packing.interleave == "halves", scale_zero.data_ptr(), scale_zero.dtype == torch.bfloat16,
+                        kernel_path(exact), torch.get_num_threads())
+    return y
+
+
+def int4_dequantize_transposed(out: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
+                               packing: Int4Packing) -> torch.Tensor:
+    """Writes the int4 weight's transpose into out ([in, out], bf16 or fp32, contiguous), in one
+    pass over it: for a prefill, whose many rows then run as one matmul. Returns out."""
+    in_features, out_features = out.shape
+    groups = scale_zero.shape[0]
+    stored_in = groups * group_size
+    if (out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous()
+            or tuple(packed.shape) != (out_features, stored_in // 2) or not packed.is_contiguous()
+            or tuple(scale_zero.shape) != (groups, out_features, 2) or not stored_in - group_size < in_features <= stored_in):
+        raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
+                         f"packed {tuple(packed.shape)}, scale_zero {tuple(scale_zero.shape)} and out {tuple(out.shape)} "
+                         f"{out.dtype}")
+    if scale_zero.dtype != torch.bfloat16:
+        scale_zero = scale_zero.float()
+    scale_zero = scale_zero.contiguous()
+    _engine.int4_dequantize_transposed(out.data_ptr(), out.dtype == torch.bfloat16, packed.data_ptr(), out_features,
+                                       in_features, stored_in, group_size, packing.block_rows,
+                                       packing.interleave == "halves", scale_zero.data_ptr(),
+                                       scale_zero.dtype == torch.bfloat16, kernel_path(), torch.get_num_threads())
+    return out
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ (q * scale[:, None]) transposed, in fp32. q: int8 [out, in]."""
+    out_features, in_features = q.shape
+    if q.dtype != torch.int8 or not q.is_contiguous() or tuple(scale.shape) != (out_features,):
+        raise ValueError(f"an int8 weight must be int8 [out, in] with a scale per row: {tuple(q.shape)} {q.dtype}, "
+                         f"scale {tuple(scale.shape)}")
+    x = _checked(x, in_features)
+    scale = scale.float().contiguous()
+    y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    _engine.int8_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, q.data_ptr(),
+                        out_features, in_features, scale.data_ptr(), kernel_path(), torch.get_num_threads())
+    return y
