@@ -110,7 +110,8 @@ def test_a_packing_the_kernel_was_not_given_computes_something_else():
 
 def test_an_unknown_or_missing_path_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, "neon")
-    with pytest.raises(ZeroliteError, match=f"ZEROLITE_CPU_KERNEL=neon: this CPU runs the kernel paths {', '.join(PATHS)}"):
+    message = f"ZEROLITE_CPU_KERNEL=neon: this CPU runs the kernel paths {', '.join(PATHS)}"
+    with pytest.raises(ZeroliteError, match=message):
         cpu_kernels.int8_matmul(torch.randn(1, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
 
 

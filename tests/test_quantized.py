@@ -16,14 +16,15 @@ from transformers.pytorch_utils import Conv1D
 
 import zerolite
 import zerolite.quant.linear
-from zerolite.quant import cpu_kernels
 from support.helpers import greedy, left_padded
+from support.simulated_device import SimulatedDevice
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
-from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
 from zerolite.io.engine import IoEngine
 from zerolite.layout.folder import Layout
-from zerolite.quant.quantize import SCALE_ZERO_SUFFIX, WeightScheme, quantize_int4
+from zerolite.layout.store import DiskStore
+from zerolite.quant import cpu_kernels
+from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
 from zerolite.quant.linear import (
     Int4Linear,
     Int8Linear,
@@ -32,10 +33,9 @@ from zerolite.quant.linear import (
     dequantize_int4,
     dequantize_workspace,
 )
+from zerolite.quant.quantize import SCALE_ZERO_SUFFIX, WeightScheme, quantize_int4
 from zerolite.runtime.budget import Budgets, reserve
 from zerolite.runtime.policy import Policy
-from support.simulated_device import SimulatedDevice
-from zerolite.layout.store import DiskStore
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 SCHEMES = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=32)}
@@ -142,7 +142,8 @@ def test_int4_kernel_in_bf16_adds_no_more_error_than_bf16_itself(arch, path, mak
     with zerolite.load(layout, device="cpu", offload="nvme", cpu_memory=0, show_progress=False) as lm:
         kernel_error = (teacher_forced_logits(lm.model, sequences) - expected).abs().max()
     assert calls, "the int4 kernel never ran"
-    assert kernel_error <= BF16_PATHS[path] * bf16_error, f"kernel {kernel_error:.3f} against bf16's own {bf16_error:.3f}"
+    assert kernel_error <= BF16_PATHS[path] * bf16_error, \
+        f"kernel {kernel_error:.3f} against bf16's own {bf16_error:.3f}"
 
 
 @pytest.mark.parametrize("in_features", [512, 576], ids=["whole-groups", "a-partial-group"])

@@ -62,10 +62,10 @@ from models import make_model
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.folder import Layout
-from zerolite.planner.machine import DISK_READ_BYTES, drop_page_cache
-from zerolite.openmp import environment_as_the_user_had_it
-from zerolite.runtime.policy import Policy
 from zerolite.layout.read_pass import read_pass
+from zerolite.openmp import environment_as_the_user_had_it
+from zerolite.planner.machine import DISK_READ_BYTES, drop_page_cache
+from zerolite.runtime.policy import Policy
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONTENDERS = ["zerolite-nvme", "zerolite-nvme-half", "zerolite-cpu", "transformers-ram",
@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
-    parser.add_argument("--repeat", type=at_least_one, default=1, help="runs of each contender (taking turns); medians are shown")
+    parser.add_argument("--repeat", type=at_least_one, default=1,
+                        help="runs of each contender (taking turns); medians are shown")
     parser.add_argument("--memory-limit", type=memory_limit, default=None,
                         help="run each contender in a memory cgroup of this size (1.5GB, 1536MiB)")
     parser.add_argument("--scratch", default=None, help="folder for DeepSpeed's NVMe swap and accelerate's offload, "
@@ -140,7 +141,8 @@ def folder_bytes(folder: Path) -> int:
 def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | None) -> dict:
     out = Path(scratch) / f"{name}.json"
     out.unlink(missing_ok=True)  # a result left by the round before is not this run's
-    command = [sys.executable, str(HERE / "bench_contenders.py"), name, "--source", args.source, "--layout", args.layout,
+    command = [sys.executable, str(HERE / "bench_contenders.py"), name,
+               "--source", args.source, "--layout", args.layout,
                *(word for scheme in QUANTIZED for word in (f"--{scheme}-layout", getattr(args, f"{scheme}_layout"))),
                "--gguf-folder", args.gguf_folder,
                "--device", args.device, "--batch-size", str(args.batch_size), "--new-tokens", str(args.new_tokens),
@@ -173,7 +175,8 @@ def run_contender(name: str, args, half_bytes: int, scratch: str, limit: int | N
 
 
 def fio_cold_gbps(layout: Layout) -> float | None:
-    """fio's cold sequential O_DIRECT read of the layout's weights (in place: of its largest shard); None without fio."""
+    """fio's cold sequential O_DIRECT read of the layout's weights (in place: of its largest shard);
+    None without fio."""
     if not shutil.which("fio"):
         return None
     path = max(layout.read_paths, key=lambda p: p.stat().st_size)
@@ -185,11 +188,13 @@ def fio_cold_gbps(layout: Layout) -> float | None:
 def main() -> None:
     args = build_parser().parse_args()
     for scheme in QUANTIZED:
-        folder = getattr(args, f"{scheme}_layout") or str(Path(args.layout).with_name(f"{Path(args.layout).name}-{scheme}"))
+        folder = (getattr(args, f"{scheme}_layout")
+                  or str(Path(args.layout).with_name(f"{Path(args.layout).name}-{scheme}")))
         setattr(args, f"{scheme}_layout", folder)
     console = Console(width=None if sys.stdout.isatty() else 200)  # the table stays whole in a log
     if args.make_model:
-        quantized_layouts = {Path(getattr(args, f"{scheme}_layout")): convert_args for scheme, convert_args in QUANTIZED.items()}
+        quantized_layouts = {Path(getattr(args, f"{scheme}_layout")): convert_args
+                             for scheme, convert_args in QUANTIZED.items()}
         make_model(Path(args.source), "llama", BENCH_CONFIG, {Path(args.layout): {}, **quantized_layouts})
 
     layout = Layout.open(args.layout)
@@ -304,7 +309,8 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
     return same / sum(len(row) for row in tokens)
 
 
-def report(console: Console, results: dict, args, bound: dict, model_bytes: int, quantized_bounds: dict[str, dict]) -> None:
+def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
+           quantized_bounds: dict[str, dict]) -> None:
     finished = {name: r for name, r in results.items() if "error" not in r}
     base, reference = finished.get(BASELINE), finished.get(REFERENCE)
     title = "tools/bench: same model, batch and new tokens; page cache dropped before each contender"
@@ -333,7 +339,10 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
         if r["failed_runs"]:
             same += f" ({r['failed_runs']} of {len(r['runs'])} runs failed)"
         step = r["decode_step_s"]
-        own_bound = None if name in (LLAMACPP + "q4_0", LLAMACPP + "q8_0") else quantized_bounds[scheme] if scheme else bound
+        if name in (LLAMACPP + "q4_0", LLAMACPP + "q8_0"):
+            own_bound = None
+        else:
+            own_bound = quantized_bounds[scheme] if scheme else bound
         table.add_row(
             name, f"{r['ready_s']:.1f}", f"{r['prefill_s']:.2f}", f"{step:.3f}", f"{r['decode_step_spread']:.2f}x",
             f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}",
@@ -364,8 +373,10 @@ def report(console: Console, results: dict, args, bound: dict, model_bytes: int,
                       f"{base['decode_step_s'] / bound['bound_s']:.2f}x the bound", highlight=False)
     for scheme, scheme_bound in quantized_bounds.items():
         console.print(f"{scheme} layout: read-only pass {scheme_bound['read_pass_s']:.3f} s per step "
-                      f"({scheme_bound['read_pass_gbps']:.2f} GB/s); its contenders' bound {scheme_bound['bound_s']:.3f} s "
-                      f"(compute {scheme_bound['compute_s'] or 0:.3f} s of {scheme_bound['compute_of']})", highlight=False)
+                      f"({scheme_bound['read_pass_gbps']:.2f} GB/s); "
+                      f"its contenders' bound {scheme_bound['bound_s']:.3f} s "
+                      f"(compute {scheme_bound['compute_s'] or 0:.3f} s of {scheme_bound['compute_of']})",
+                      highlight=False)
     room = min(psutil.virtual_memory().total, args.memory_limit or float("inf"))
     if "accelerate-disk" in finished and model_bytes < room:
         console.print("accelerate-disk: the model fits in the memory it may use here, so after its first pass its "

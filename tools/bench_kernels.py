@@ -30,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zerolite  # noqa: E402,F401  (first: torch's threads then wait as they do under zerolite, zerolite.openmp)
+
+# isort: split
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -127,7 +129,8 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     rate = copy_rate()
     cpu = cpu_name()
-    print(f"{cpu}; {args.threads} threads; zerolite kernel path {os.environ.get(cpu_kernels.PATH_VARIABLE) or cpu_kernels.supported_paths()[-1]}; "
+    kernel_path = os.environ.get(cpu_kernels.PATH_VARIABLE) or cpu_kernels.supported_paths()[-1]
+    print(f"{cpu}; {args.threads} threads; zerolite kernel path {kernel_path}; "
           f"copy rate {rate / 1e9:.1f} GB/s (read + write); weights {'hot' if args.hot else 'cold'}")
     print(f"{'shape':>12} {'rows':>5} {'kernel':>24} {'ms':>9} {'GB/s':>7} {'bound ms':>9} {'x bound':>8}")
     results = []
@@ -139,12 +142,12 @@ def main() -> None:
                 for name, (nbytes, copies, call) in kernels.items():
                     if args.kernels and name not in args.kernels.split(","):
                         continue
-                    seconds = timed(lambda i: call(i, x), copies)
+                    seconds = timed(lambda i, call=call, x=x: call(i, x), copies)
                     bound = nbytes / rate
                     results.append(dict(shape=[out, inp], rows=rows, kernel=name, ms=seconds * 1e3,
                                         gbps=nbytes / seconds / 1e9, bound_ms=bound * 1e3))
-                    print(f"{out:>5}x{inp:<6} {rows:>5} {name:>24} {seconds * 1e3:>9.3f} {nbytes / seconds / 1e9:>7.1f} "
-                          f"{bound * 1e3:>9.3f} {seconds / bound:>8.2f}", flush=True)
+                    print(f"{out:>5}x{inp:<6} {rows:>5} {name:>24} {seconds * 1e3:>9.3f} "
+                          f"{nbytes / seconds / 1e9:>7.1f} {bound * 1e3:>9.3f} {seconds / bound:>8.2f}", flush=True)
             del kernels
     if args.json:
         Path(args.json).write_text(json.dumps(dict(cpu=cpu, threads=args.threads, copy_gbps=rate / 1e9,

@@ -11,8 +11,9 @@ run every path the CPU has). Those compute in fp32 exactly what the weights dequ
 the CPU has AVX-512 VNNI and VBMI, int4 rows that are not fp32 (bf16, fp16: already rounded) take
 avx512vnni, which rounds them to int8 per 32 columns, as llama.cpp's Q4_0 does, and multiplies
 bytes: several times faster, at about 0.5% of relative error in a product
-(docs/benchmarks-cpu-kernels.md gives its perplexity); fp32 rows keep the exact path. They run on torch's thread count, on a pool of the extension's own whose idle
-threads sleep, and release the GIL. Tensors go in as addresses: the checks here are all they get.
+(docs/benchmarks-cpu-kernels.md gives its perplexity); fp32 rows keep the exact path. They run on
+torch's thread count, on a pool of the extension's own whose idle threads sleep, and release the
+GIL. Tensors go in as addresses: the checks here are all they get.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
     groups = scale_zero.shape[0]
     stored_in = groups * group_size
     in_features = x.shape[-1]
-    if (packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, stored_in // 2) or not packed.is_contiguous()
-            or tuple(scale_zero.shape) != (groups, out_features, 2) or not stored_in - group_size < in_features <= stored_in):
+    if (packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, stored_in // 2)
+            or not packed.is_contiguous() or tuple(scale_zero.shape) != (groups, out_features, 2)
+            or not stored_in - group_size < in_features <= stored_in):
         raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
                          f"packed {tuple(packed.shape)} and scale_zero {tuple(scale_zero.shape)}")
     exact = x.dtype == torch.float32
@@ -96,10 +98,11 @@ def int4_dequantize_transposed(out: torch.Tensor, packed: torch.Tensor, scale_ze
     stored_in = groups * group_size
     if (out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous()
             or tuple(packed.shape) != (out_features, stored_in // 2) or not packed.is_contiguous()
-            or tuple(scale_zero.shape) != (groups, out_features, 2) or not stored_in - group_size < in_features <= stored_in):
+            or tuple(scale_zero.shape) != (groups, out_features, 2)
+            or not stored_in - group_size < in_features <= stored_in):
         raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
-                         f"packed {tuple(packed.shape)}, scale_zero {tuple(scale_zero.shape)} and out {tuple(out.shape)} "
-                         f"{out.dtype}")
+                         f"packed {tuple(packed.shape)}, scale_zero {tuple(scale_zero.shape)} "
+                         f"and out {tuple(out.shape)} {out.dtype}")
     if scale_zero.dtype != torch.bfloat16:
         scale_zero = scale_zero.float()
     scale_zero = scale_zero.contiguous()

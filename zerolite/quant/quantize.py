@@ -51,7 +51,8 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64
 LEVELS = 15  # int4's steps between a group's lowest and highest level
 GRID_TOLERANCE = 1e-3  # of a step: how far from a level a value on an existing grid may lie
-QUANTIZE_ROWS = 256  # output rows quantized at once: fewer than a whole weight's fp32 work in memory, and faster (README)
+# output rows quantized at once: fewer than a whole weight's fp32 work in memory, and faster (docs/design-figures.md)
+QUANTIZE_ROWS = 256
 GRID_PROBE = 8  # values of each group that must lie near a grid's level before the whole group is checked
 GRID_BINS = 4096  # of a group's spread, for that check's table
 
@@ -85,7 +86,8 @@ class WeightScheme:
             if group_size not in GROUP_SIZES:
                 raise ZeroliteError(f"`group_size` {group_size} is not one int4 takes: choose 32, 64 or 128")
             return cls("int4", group_size, cpu_packing(), torch.__version__)
-        raise ZeroliteError(f"unknown `weights` {weights!r}: choose int8 or int4 (or leave it out for the layout's dtype)")
+        raise ZeroliteError(f"unknown `weights` {weights!r}: "
+                            "choose int8 or int4 (or leave it out for the layout's dtype)")
 
     @classmethod
     def from_manifest(cls, record: dict) -> WeightScheme:
@@ -119,7 +121,8 @@ class WeightScheme:
         """{suffix: tensor}: "" for the quantized weight, the companion for its scales. A few
         output rows at a time (each row's groups stand alone): the fp32 work of a whole 13824 x
         5120 weight took over a gigabyte, the larger part of convert's peak memory."""
-        (q_shape, q_dtype), (companion_shape, _) = self.stored_shapes(LinearShape(*weight.shape, False), weight.dtype).values()
+        stored = self.stored_shapes(LinearShape(*weight.shape, False), weight.dtype)
+        (q_shape, q_dtype), (companion_shape, _) = stored.values()
         if self.name == "int4":
             q_shape = (q_shape[0], q_shape[1] * 2)  # a value a byte until packed
         q, companion = torch.empty(q_shape, dtype=q_dtype), torch.empty(companion_shape, dtype=weight.dtype)
@@ -141,7 +144,8 @@ class WeightScheme:
         padded = whole_groups(inp, self.group_size)
         return {"": ((out, padded // 2), torch.uint8), SCALE_ZERO_SUFFIX: ((padded // self.group_size, out, 2), dtype)}
 
-    def quantize_block(self, tensors: dict[str, torch.Tensor], targets: dict[str, LinearShape]) -> dict[str, torch.Tensor]:
+    def quantize_block(self, tensors: dict[str, torch.Tensor],
+                       targets: dict[str, LinearShape]) -> dict[str, torch.Tensor]:
         """The block's tensors with each target module's weight quantized (others unchanged),
         taken out of tensors one by one: a weight's memory goes as soon as it is quantized."""
         out = {}
@@ -155,7 +159,8 @@ class WeightScheme:
                 out[name] = tensor
         return out
 
-    def meta_tensors(self, tensors: dict[str, torch.Tensor], targets: dict[str, LinearShape]) -> dict[str, torch.Tensor]:
+    def meta_tensors(self, tensors: dict[str, torch.Tensor],
+                     targets: dict[str, LinearShape]) -> dict[str, torch.Tensor]:
         """What quantize_block makes, as meta tensors: the shapes a layout is planned from."""
         out = {}
         for name, tensor in tensors.items():
