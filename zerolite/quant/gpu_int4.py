@@ -10,9 +10,9 @@ widen, scale, shift, read again) where the link brought half a byte; tinygemm re
 nibbles once. It computes (q - 8) * scale + zero group by group, the form zerolite's int4 layouts
 store, from the same [groups, out, 2] scales-and-zeros tensor, but reads its own tiled order of the
 nibbles: aten._convert_weight_to_int4pack makes it on the device, from a uint8 [out, in / 2]
-whose bytes hold two columns each, the even one in the high nibble. Measured on an H100 for an
-8192 x 28672 weight (ms per call): 0.067 at 1 row, 0.27 at 16, 1.02 at 64, 4.1 at 256, against
-bf16's 0.17 to 0.19 and today's dequantise-then-multiply's 3.5: it wins while the rows are few.
+whose bytes hold two columns each, the even one in the high nibble. Its time grows with the rows
+while dequantise-then-multiply's barely does: it wins while the rows are few (the H100's figures:
+docs/design-figures.md).
 
 The kernel is tried once per device on a small weight against the dequantised product: where the
 op is missing (an older torch), not built for the GPU (before sm80) or computes something else,
@@ -39,7 +39,8 @@ PROBE_TOLERANCE = 1e-2              # of the largest output: bf16's rounding, no
 @dataclass(frozen=True)
 class Int4Kernel:
     pack: Callable[[torch.Tensor, int], torch.Tensor]   # (paired columns uint8 [out, in / 2], inner k-tiles) -> packed
-    mm: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]  # (rows, packed, group size, scales and zeros)
+    # (rows, packed, group size, scales and zeros) -> rows
+    mm: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 
 def paired_columns(q: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,9 @@ aten._convert_weight_to_int4pack_for_cpu stores the rows in blocks (64 rows wher
 AVX-512 code, 32 otherwise) and, within a block, input column by column; each byte holds two rows'
 nibbles, rows d and d + block/2 (AVX2, AVX-512) or rows 2d and 2d + 1 (plain code). The last,
 shorter block always pairs adjacent rows. That form depends on the CPU torch runs on, so a layout
-records it (Int4Packing.to_manifest) and unpacks by the record on any device; the kernel itself
-runs only where the record matches cpu_packing(). Both functions are plain tensor indexing, so the
-unpack runs wherever the bytes are (a GPU dequantises on the device).
+records it (Int4Packing.to_manifest): zerolite's CPU kernels (zerolite.quant.cpu_kernels) read the
+bytes by that record, whichever torch or CPU packed them. Both functions are plain tensor indexing,
+so the unpack runs wherever the bytes are (a GPU dequantises on the device).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Where the device has memory of its own (a GPU), the quantized bytes are what
 crosses the link (about a half or a quarter of bf16's). There int4 multiplies through torch's fused
 kernel (zerolite.quant.gpu_int4) below FUSED_INT4_ROWS rows, its packed form made once per slot fill
 (the first call after the weight is bound) and dropped when the block is unbound; from that many
-rows on, and for int8 always (torch's fused int8 kernel lost at every row count on an H100: 2.2 ms at
-one row against 1.4 to dequantise), the weight is dequantised into one buffer the model's layers
+rows on, and for int8 always (torch's fused int8 kernel lost to dequantising at every row count
+measured: docs/design-figures.md), the weight is dequantised into one buffer the model's layers
 share (Scratch), in as few passes over it as the format allows, and an ordinary matmul runs.
 """
 
@@ -44,9 +44,10 @@ from zerolite.quant.quantize import (
 # on the CPU; these were set from the one measured (docs/benchmarks-cpu-kernels.md).
 DEQUANTIZE_ROWS = 64
 INT4_DEQUANTIZE_ROWS = 64
-# On a GPU, below these many rows int4 multiplies through the fused kernel. An H100, 8192 x 28672:
-# fused 0.27 ms at 16 rows, 1.02 at 64, 4.1 at 256; dequantising with Scratch reads and writes
-# about 11 bytes a weight (some 1 ms at the H100's bandwidth, not yet measured) plus bf16's 0.17.
+# On a GPU, below these many rows int4 multiplies through the fused kernel: it reads the packed
+# nibbles once, but its time grows with the rows, while dequantising with Scratch reads and writes
+# about 11 bytes a weight whatever their number, then runs bf16's matmul (the H100's figures:
+# docs/design-figures.md).
 FUSED_INT4_ROWS = 64
 
 
@@ -151,7 +152,8 @@ class Int4Linear(QuantizedLinear):
         self.group_size = scheme.group_size
         self.packing = scheme.packing
         self.stored_in = whole_groups(in_features, self.group_size)  # a partial last group is stored padded
-        self.register_buffer("weight", torch.empty((out_features, self.stored_in // 2), dtype=torch.uint8, device="meta"))
+        self.register_buffer("weight", torch.empty((out_features, self.stored_in // 2), dtype=torch.uint8,
+                                                   device="meta"))
         self.register_buffer("weight" + SCALE_ZERO_SUFFIX, torch.empty(
             (self.stored_in // self.group_size, out_features, 2), dtype=scale_dtype, device="meta"))
         self.kernel = kernel if kernel is not None and fits(out_features, self.stored_in, self.group_size) else None
@@ -161,7 +163,8 @@ class Int4Linear(QuantizedLinear):
         scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
         if self.dequantize:
             if self.kernel is not None and rows.dtype == torch.bfloat16 and rows.shape[0] < FUSED_INT4_ROWS:
-                return self.kernel.mm(self.padded(rows), self.fused_weight(), self.group_size, scale_zero.to(rows.dtype))
+                return self.kernel.mm(self.padded(rows), self.fused_weight(), self.group_size,
+                                      scale_zero.to(rows.dtype))
             weight = self._buffer((self.out_features, self.stored_in), rows)
             dequantize_int4_into(weight, self.weight, scale_zero, self.group_size, self.packing)
             return F.linear(self.padded(rows), weight)
