@@ -11,7 +11,6 @@ import ast
 import re
 from pathlib import Path
 
-
 PACKAGE = Path(__file__).resolve().parents[1] / "zerolite"
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 

@@ -17,12 +17,13 @@ from transformers.pytorch_utils import Conv1D
 import zerolite
 import zerolite.quant.linear
 from support.helpers import greedy, left_padded
+from support.simulated_device import SimulatedDevice
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
-from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
 from zerolite.io.engine import IoEngine
 from zerolite.layout.folder import Layout
-from zerolite.quant.quantize import SCALE_ZERO_SUFFIX, WeightScheme, quantize_int4
+from zerolite.layout.store import DiskStore
+from zerolite.quant.int4_packing import cpu_packing, pack_int4, unpack_int4
 from zerolite.quant.linear import (
     Int4Linear,
     Int8Linear,
@@ -31,10 +32,9 @@ from zerolite.quant.linear import (
     dequantize_int4,
     dequantize_workspace,
 )
+from zerolite.quant.quantize import SCALE_ZERO_SUFFIX, WeightScheme, quantize_int4
 from zerolite.runtime.budget import Budgets, reserve
 from zerolite.runtime.policy import Policy
-from support.simulated_device import SimulatedDevice
-from zerolite.layout.store import DiskStore
 
 ARCHS = ["llama", "mistral", "bloom", "opt", "gpt2"]
 SCHEMES = {"int8": dict(weights="int8"), "int4": dict(weights="int4", group_size=32)}

@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from zerolite.io.device import Device
+from zerolite.distributed.world import World
 from zerolite.errors import ZeroliteError
+from zerolite.io.device import Device
 from zerolite.io.engine import ALIGNMENT, align_up
 from zerolite.layout.store import DiskStore, MemoryStore
-from zerolite.distributed.world import World
 
 
 class NodeCopy(MemoryStore):

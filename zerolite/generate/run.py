@@ -95,7 +95,8 @@ def generate_all(
             progress.note(f"batch {start + 1}/{len(batches)}" if len(deal) == 1 else
                           f"batches {start + 1}-{start + len(deal)}/{len(batches)} on {world.size} ranks")
 
-            def run_mine() -> tuple[list[Completion], int] | None:
+            # deal bound as a default: this iteration's batches, whatever the loop holds when all_gather calls it
+            def run_mine(deal: list[range] = deal) -> tuple[list[Completion], int] | None:
                 rows = deal[world.rank] if world.rank < len(deal) else None
                 return run_batch(lm, prompts, encoded, rows, sampling, config, stats, progress) if rows else None
 

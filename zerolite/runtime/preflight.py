@@ -6,7 +6,6 @@ run, slower or riskier than it could) are returned for the caller to print, one 
 
 from __future__ import annotations
 
-
 import psutil
 
 from zerolite.errors import ZeroliteError
