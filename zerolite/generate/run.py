@@ -71,7 +71,8 @@ def generate_all(
         check_context(lm, prompts, encoded, sampling.max_new_tokens)
 
         def fits() -> int:  # the largest every rank's memory holds
-            return min(world.all_gather(lambda: largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens),
+            lengths = [len(ids) for ids in encoded]
+            return min(world.all_gather(lambda: largest_batch(lm, lengths, sampling.max_new_tokens),
                                         "choosing the batch size"))
 
         size = decide_batch_size(batch_size, planned=planned_batch, fits=fits)
@@ -125,7 +126,8 @@ def check_work(prompts: int, batch_size: int, ranks: int) -> None:
     if batches < ranks:
         raise ZeroliteError(f"{prompts} prompt{'s' if prompts != 1 else ''} in batches of {batch_size} make {batches} "
                             f"batch{'es' if batches != 1 else ''}, too few for {ranks} ranks: run {batches} "
-                            f"rank{'s' if batches != 1 else ''} (torchrun --nproc-per-node), or give a smaller `batch_size`")
+                            f"rank{'s' if batches != 1 else ''} (torchrun --nproc-per-node), "
+                            "or give a smaller `batch_size`")
 
 
 def run_batch(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], rows: range, sampling: Sampling, config,
