@@ -12,8 +12,8 @@ import torch
 import zerolite
 from support.simulated_device import SimulatedDevice
 from zerolite.io.device import ALLOCATOR_SETTINGS, CudaDevice
-from zerolite.runtime.batching import largest_batch
 from zerolite.memory_model import kv_bytes_per_token
+from zerolite.runtime.batching import largest_batch
 
 
 @pytest.fixture

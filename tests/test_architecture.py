@@ -11,7 +11,6 @@ import ast
 import re
 from pathlib import Path
 
-
 PACKAGE = Path(__file__).resolve().parents[1] / "zerolite"
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
@@ -58,7 +57,8 @@ def imported(path: Path, name: str, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parents = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parents + ([base] if base else []))
             if not base.startswith("zerolite"):
                 continue
             for alias in node.names:

@@ -12,14 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from zerolite.errors import ZeroliteError
-from zerolite.layout.folder import Layout
-from zerolite.layout.read_pass import read_pass
-
 from bench import agreement, build_parser  # tools/ is on the path: pyproject's pythonpath
 from bench_cgroup import MemoryCgroup, hierarchy, parse_limit
 from bench_gguf import gguf_folder, make_gguf
 from support.tiny_models import VOCAB
+from zerolite.errors import ZeroliteError
+from zerolite.layout.folder import Layout
+from zerolite.layout.read_pass import read_pass
 
 REQUIRED = ["--source", "s", "--layout", "l"]
 

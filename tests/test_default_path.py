@@ -167,7 +167,8 @@ SERVED = {
 
 @pytest.mark.parametrize("arch", SERVED)
 def test_serve_defaults_answer_a_first_request_as_transformers(arch, make_source):
-    from support.live_server import LiveServer  # serve's extras (uvicorn, FastAPI): the other tests here run without them
+    # serve's extras (uvicorn, FastAPI): the other tests here run without them
+    from support.live_server import LiveServer
     from zerolite.serve.server import ServeSettings
 
     source = make_source(arch, **SERVED[arch])

@@ -87,9 +87,9 @@ def test_the_plan_shows_the_batch_that_runs_not_the_batch_size_option(capsys, mo
 
 def test_a_resumed_run_announces_the_largest_batch_left_and_its_longest_sequence(layout):
     import zerolite
+    from zerolite.generate.prompts import Prompt
     from zerolite.generate.run import generate_all
     from zerolite.sampling import Sampling
-    from zerolite.generate.prompts import Prompt
 
     prompts = [Prompt(f"p{i}", None, tuple(ids)) for i, ids in enumerate(PROMPTS)]
     started = []

@@ -17,8 +17,8 @@ import zerolite.convert.resolve
 from support.cli_runner import run
 from support.helpers import greedy
 from support.simulated_device import SimulatedDevice
-from test_executor import assert_same_generation, reference_device
 from support.tiny_models import save_tiny_model
+from test_executor import assert_same_generation, reference_device
 from zerolite.errors import ZeroliteError
 from zerolite.hf import keep_experts_implementation
 from zerolite.io.engine import align_up

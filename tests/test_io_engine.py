@@ -9,7 +9,6 @@ import torch
 
 import zerolite
 from support.helpers import greedy
-
 from zerolite.io.engine import ALIGNMENT, HUGE_PAGE, IoEngine, ShortReadError, aligned_empty, host_bytes
 
 BACKENDS = ["io_uring", "pread"]

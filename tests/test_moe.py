@@ -17,13 +17,21 @@ from transformers import GenerationMixin
 import zerolite
 from support.helpers import greedy
 from support.simulated_device import OrderingError, SimulatedDevice
-from test_executor import (BATCH, MORE_SETUPS, NEW_TOKENS, SETUPS, SINGLE, assert_same_generation, check_equal,
-                           layout_and_reference)
 from support.tiny_models import MOE_SHAPES, WHOLE_MOE_SHAPES
+from test_executor import (
+    BATCH,
+    MORE_SETUPS,
+    NEW_TOKENS,
+    SETUPS,
+    SINGLE,
+    assert_same_generation,
+    check_equal,
+    layout_and_reference,
+)
 from zerolite.cli.plan_summary import summarize
 from zerolite.errors import ZeroliteError
-from zerolite.moe.experts import find_experts
 from zerolite.layout.folder import Layout
+from zerolite.moe.experts import find_experts
 from zerolite.runtime.budget import Budgets
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import zerolite
+from perplexity import perplexity, windows  # tools/ is on the path: pyproject's pythonpath
 from support.cli_runner import run_tool
 from support.tiny_models import VOCAB, save_ascii_tokenizer
-
-from perplexity import perplexity, windows  # tools/ is on the path: pyproject's pythonpath
 
 WINDOW = 16  # the tiny model's max_position_embeddings: the 50 ids below need several windows
 

@@ -11,8 +11,8 @@ import torch
 
 import zerolite
 import zerolite.quant.linear
-from support.simulated_device import SimulatedDevice
 from support.helpers import greedy
+from support.simulated_device import SimulatedDevice
 from test_quantized import LAYERS, NEW_TOKENS, ROWS, SCHEMES, dequantised_reference, teacher_forced_logits
 from zerolite.quant.gpu_int4 import Int4Kernel, checked, inner_k_tiles
 from zerolite.quant.int4_packing import CANDIDATES, pack_int4

@@ -25,8 +25,8 @@ import zerolite.runtime.policy
 from support.cli_runner import run
 from support.helpers import generate_args, lines_by_id
 from support.simulated_device import SimulatedDevice
-from zerolite.errors import ZeroliteError
 from zerolite.distributed.world import World, failed_line
+from zerolite.errors import ZeroliteError
 from zerolite.io.device import CudaDevice, resolve
 from zerolite.runtime.loader import rank_device, shared_gpu
 from zerolite.runtime.policy import Policy

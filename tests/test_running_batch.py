@@ -10,11 +10,11 @@ import torch
 import zerolite
 from support.helpers import new_tokens_alone
 from support.simulated_device import SimulatedDevice, SimulatedEvent
+from support.tiny_models import save_ascii_tokenizer
 from zerolite.errors import ZeroliteError
 from zerolite.runtime import kv_cache
 from zerolite.serve.running_batch import Row, RunningBatch
 from zerolite.serve.text_stream import TextStream
-from support.tiny_models import save_ascii_tokenizer
 
 NEW_TOKENS = 10
 LENGTHS = (5, 17, 2, 9, 30, 1)

@@ -75,7 +75,8 @@ def generate_cli(capsys, monkeypatch, tmp_path, layout, prompts: list[list[int]]
 
 
 @pytest.mark.parametrize("arch", ["llama", "bloom", "gpt2", "opt"])
-def test_each_client_gets_the_tokens_zerolite_generate_gives_its_prompt(arch, make_layout, capsys, monkeypatch, tmp_path):
+def test_each_client_gets_the_tokens_zerolite_generate_gives_its_prompt(arch, make_layout, capsys, monkeypatch,
+                                                                         tmp_path):
     layout = make_layout(arch)
     prompts = random_prompts()
     expected = generate_cli(capsys, monkeypatch, tmp_path, layout, prompts)
@@ -146,8 +147,9 @@ def test_the_openai_client_and_curl_work_streaming_and_not(chat_lm):
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
         chat = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0)
         assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
-        chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True}))
+        chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
         assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chat.usage.total_tokens
@@ -156,9 +158,11 @@ def test_the_openai_client_and_curl_work_streaming_and_not(chat_lm):
         assert curl is not None, "curl is part of the set-up this test runs in"
         body = json.dumps({"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
         done = subprocess.run([curl, "-sS", "--max-time", "60", server.url + "/v1/completions", "-H",
-                               "Content-Type: application/json", "-d", body], capture_output=True, text=True, timeout=90)
+                               "Content-Type: application/json", "-d", body],
+                              capture_output=True, text=True, timeout=90)
         assert json.loads(done.stdout)["choices"][0]["text"] == expected_text
-        streamed = json.dumps({"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True})
+        streamed = json.dumps({"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                               "stream": True})
         done = subprocess.run([curl, "-sSN", "--max-time", "60", server.url + "/v1/completions", "-H",
                                "Content-Type: application/json", "-d", streamed],
                               capture_output=True, text=True, timeout=90)
@@ -219,7 +223,8 @@ def test_a_client_that_gives_up_on_a_whole_answer_is_cancelled(make_layout, monk
     with zerolite.load(make_layout("llama"), offload="nvme", device="cpu", show_progress=False) as lm:
         with LiveServer(lm) as server:
             step = server.decode_loop.batch.step
-            monkeypatch.setattr(server.decode_loop.batch, "step", lambda: time.sleep(0.01) or step())  # 240 steps: 2.4 s at least
+            # 240 steps: 2.4 s at least
+            monkeypatch.setattr(server.decode_loop.batch, "step", lambda: time.sleep(0.01) or step())
             body = {"model": server.served.name, "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True}
             with pytest.raises(httpx.TimeoutException):
                 httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
@@ -241,7 +246,8 @@ def test_a_full_queue_answers_429_with_retry_after(make_layout, monkeypatch):
                 while not server.metric("zerolite_active_sequences"):
                     assert time.monotonic() < deadline
                     time.sleep(0.02)
-                refused = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5]}, timeout=TIMEOUT)
+                refused = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5]},
+                                     timeout=TIMEOUT)
                 never = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5], "n": 2},
                                    timeout=TIMEOUT)  # more than the batch and the queue hold together
                 gate.set()
@@ -277,7 +283,8 @@ def test_a_step_that_fails_answers_its_requests_with_500_and_the_server_serves_o
                 return add(rows)
 
             monkeypatch.setattr(server.decode_loop.batch, "add", joining_fails_once)
-            refused = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5, 6]}, timeout=TIMEOUT)
+            refused = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": [5, 6]},
+                                 timeout=TIMEOUT)
             alive = httpx.get(server.url + "/health", timeout=TIMEOUT).status_code
             streamed = complete(server.url, [9, 8, 7, 6], True, name)
             whole = complete(server.url, [9, 8, 7, 6], False, name)
@@ -329,13 +336,15 @@ BAD_REQUESTS = [
     ("prompt of the wrong type", "POST", "/v1/completions", {**GOOD, "prompt": 42}, {}, 400, "'prompt' must be"),
     ("empty prompt", "POST", "/v1/completions", {**GOOD, "prompt": ""}, {}, 400, "empty"),
     ("prompt too long", "POST", "/v1/completions", {**GOOD, "prompt": "x" * 300}, {}, 400, "shorten it"),
-    ("token id past the vocabulary", "POST", "/v1/completions", {**GOOD, "prompt": [1, 5000]}, {}, 400, "token id 5000"),
+    ("token id past the vocabulary", "POST", "/v1/completions", {**GOOD, "prompt": [1, 5000]}, {}, 400,
+     "token id 5000"),
     ("max_tokens 0", "POST", "/v1/completions", {**GOOD, "max_tokens": 0}, {}, 400, "max_tokens"),
     ("max_tokens past the context", "POST", "/v1/completions", {**GOOD, "max_tokens": 10_000}, {}, 400, "max_tokens"),
     ("temperature out of range", "POST", "/v1/completions", {**GOOD, "temperature": 7}, {}, 400, "temperature"),
     ("top_p out of range", "POST", "/v1/completions", {**GOOD, "top_p": 0}, {}, 400, "top_p"),
     ("too many choices", "POST", "/v1/completions", {**GOOD, "n": 100}, {}, 400, "n"),
-    ("a typo'd parameter", "POST", "/v1/completions", {**GOOD, "max_token": 5}, {}, 400, "unknown parameter 'max_token'"),
+    ("a typo'd parameter", "POST", "/v1/completions", {**GOOD, "max_token": 5}, {}, 400,
+     "unknown parameter 'max_token'"),
     ("logprobs", "POST", "/v1/completions", {**GOOD, "logprobs": 3}, {}, 400, "logprobs"),
     ("stream_options without stream", "POST", "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}},
      {}, 400, "stream_options"),
@@ -371,7 +380,8 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_server_serves_on(chat_lm)
                 message = answer.json()["error"]["message"]
                 assert fragment in message, (why, message)
             assert http.get("/health").status_code == 200
-            good = http.post("/v1/completions", json={**GOOD, "model": name, "temperature": 0})  # greedy: a draw could end early
+            # greedy: a draw could end early
+            good = http.post("/v1/completions", json={**GOOD, "model": name, "temperature": 0})
             assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
             assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200  # no key needed there
     assert len({why for why, *_ in BAD_REQUESTS}) >= 15
@@ -445,7 +455,8 @@ def test_the_benchmark_runs_end_to_end(capsys, monkeypatch, make_layout, tmp_pat
     """tools/bench_serve.py on a tiny layout: a server process of its own, 1 client then 4."""
     figures, picture = tmp_path / "serve.json", tmp_path / "clients.png"
     done = run_tool(capsys, monkeypatch, "bench_serve", "--model", make_layout("llama", layers=4), "--clients", "4",
-                    "--prompt-tokens", "5", "--new-tokens", "6", "--spread", "0.2", "--json", figures, "--plot", picture)
+                    "--prompt-tokens", "5", "--new-tokens", "6", "--spread", "0.2", "--json", figures,
+                    "--plot", picture)
     assert done.code == 0, done.stderr
     report = json.loads(figures.read_text())
     assert [phase["tokens"] for phase in report["phases"].values()] == [6, 24]

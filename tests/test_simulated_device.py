@@ -19,14 +19,14 @@ import zerolite.runtime.kv_cache
 import zerolite.runtime.resident
 from support.helpers import greedy
 from support.simulated_device import OrderingError, PageableCopyError, SimulatedDevice
-from zerolite.io.engine import aligned_empty
-from zerolite.runtime.batching import MARGIN, largest_batch
 from zerolite.errors import ZeroliteError
-from zerolite.memory_model import kv_bytes_per_token
-from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache
+from zerolite.io.engine import aligned_empty
 from zerolite.layout.folder import Layout
+from zerolite.memory_model import kv_bytes_per_token
 from zerolite.planner.machine import measure_host_to_device
 from zerolite.profile.run import profile_run
+from zerolite.runtime.batching import MARGIN, largest_batch
+from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache
 from zerolite.runtime.timeline import Timeline
 
 LAYERS = 6

@@ -13,10 +13,10 @@ import torch
 import zerolite
 from support.cli_runner import run
 from support.helpers import greedy
-from zerolite.runtime.budget import Budgets
-from zerolite.io.device import CpuDevice
 from zerolite.errors import ZeroliteError
+from zerolite.io.device import CpuDevice
 from zerolite.layout.folder import Layout
+from zerolite.runtime.budget import Budgets
 from zerolite.runtime.plan import Plan, spread
 from zerolite.runtime.policy import Policy, parse_size
 

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoConfig
 
 import zerolite
-from support.timed_device import DISK, H100, H2D, Rates, TimedDevice, Wait
-from zerolite.layout.folder import Layout
+from support.timed_device import DISK, H2D, H100, Rates, TimedDevice, Wait
 from zerolite.layout.blocks import module_path
+from zerolite.layout.folder import Layout
 from zerolite.planner.cost import Candidate, Job, predict
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.model_costs import FormatCosts, ModelCosts

@@ -35,7 +35,6 @@ from rich.table import Table
 from zerolite.io.engine import IoEngine
 from zerolite.planner.machine import REQUEST_BYTES, drop_page_cache, read_bandwidth, write_scratch
 
-
 REPORTING_WAIT_S = 3  # the kernel reports freed pages to the host two seconds after they are freed
 
 

@@ -40,11 +40,11 @@ from rich.console import Console
 from rich.table import Table
 
 from zerolite.convert.resolve import ensure_layout
-from zerolite.lm.loading import load_draft
-from zerolite.runtime.opening import Opened
-from zerolite.generate.run import encode
 from zerolite.generate.prompts import Prompt
+from zerolite.generate.run import encode
+from zerolite.lm.loading import load_draft
 from zerolite.planner.machine import drop_page_cache
+from zerolite.runtime.opening import Opened
 
 NEAR_TIE = 1e-4
 QUESTIONS = [

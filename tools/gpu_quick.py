@@ -55,9 +55,9 @@ if str(ROOT) not in sys.path:  # on the GPU machine zerolite is not installed: t
 
 from gpu_quick_report import derive, headline, markdown, tests_summary  # noqa: E402  (siblings in tools/)
 from gpu_quick_steps import (  # noqa: E402
-    MiB,
     STREAM_CASES,
     Child,
+    MiB,
     filesystem_type,
     shapes,
     step_copy,

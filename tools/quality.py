@@ -40,10 +40,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import zerolite
 from perplexity import Score, context_window, corpus_ids, perplexity
-from zerolite.hf import load_tokenizer, quiet_transformers
+from zerolite.convert.paths import builtin_gguf, cache_dir
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
-from zerolite.convert.paths import builtin_gguf, cache_dir
+from zerolite.hf import load_tokenizer, quiet_transformers
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import DTYPES
 from zerolite.progress import token_progress

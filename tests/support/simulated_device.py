@@ -50,7 +50,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
 from transformers.modeling_utils import ModuleUtilsMixin
 
 from zerolite.io.device import Device

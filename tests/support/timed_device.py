@@ -31,8 +31,8 @@ has passed its end: the copy after it is queued when the host would know of it o
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch

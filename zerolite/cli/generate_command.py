@@ -25,18 +25,25 @@ DEFAULT_BATCH_SIZE = "8"
 @app.command()
 @options.with_load_options
 def generate(
-    prompts: Annotated[list[str] | None, typer.Argument(help="Prompts to complete (or use --input).", show_default=False)] = None,
-    input_file: Annotated[Path | None, typer.Option("--input", help='JSONL prompts: {"id", "prompt"} or {"id", "input_ids"} per line.')] = None,
-    output: Annotated[Path | None, typer.Option(help='JSONL completions: {"id", "prompt", "completion", "token_ids", "finish_reason"} per line.')] = None,
+    prompts: Annotated[list[str] | None, typer.Argument(help="Prompts to complete (or use --input).",
+                                                        show_default=False)] = None,
+    input_file: Annotated[Path | None, typer.Option(
+        "--input", help='JSONL prompts: {"id", "prompt"} or {"id", "input_ids"} per line.')] = None,
+    output: Annotated[Path | None, typer.Option(
+        help='JSONL completions: {"id", "prompt", "completion", "token_ids", "finish_reason"} per line.')] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt, at most.")] = 64,
-    batch_size: Annotated[str | None, typer.Option(help="Prompts per pass over the weights, or auto: zerolite plan's choice for this job, within what the memory left holds (default 8; 1 with --draft).", show_default=False)] = None,
+    batch_size: Annotated[str | None, typer.Option(
+        help="Prompts per pass over the weights, or auto: zerolite plan's choice for this job, within what the "
+        "memory left holds (default 8; 1 with --draft).", show_default=False)] = None,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the likeliest tokens holding this much probability (0 < p <= 1).")] = 1.0,
+    top_p: Annotated[float, typer.Option(
+        help="Nucleus sampling: keep the likeliest tokens holding this much probability (0 < p <= 1).")] = 1.0,
     top_k: Annotated[int, typer.Option(min=0, help="Sample among the k likeliest tokens (0: all).")] = 0,
     seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the tokenizer's chat template.")] = False,
-    stats_json: Annotated[Path | None, typer.Option("--stats-json", help="Write timings, bytes read and peak memory here.")] = None,
+    stats_json: Annotated[Path | None, typer.Option("--stats-json",
+                                                    help="Write timings, bytes read and peak memory here.")] = None,
     **load,
 ) -> None:
     """Generate text with a model streamed from NVMe or CPU memory (under torchrun, on every rank)."""
@@ -61,7 +68,8 @@ def generate(
             if prompts and input_file is not None:
                 raise ZeroliteError("give prompts as arguments or --input FILE, not both")
             if not prompts and input_file is None:
-                raise ZeroliteError('nothing to generate from: give a prompt (zerolite generate "Once upon a time") or --input FILE.jsonl')
+                raise ZeroliteError('nothing to generate from: give a prompt (zerolite generate "Once upon a time") '
+                                    "or --input FILE.jsonl")
             if output is not None and input_file is not None and output.resolve() == input_file.resolve():
                 raise ZeroliteError(f"--output {output} is the --input file: write the completions elsewhere")
             for target in (output, stats_json):
@@ -69,8 +77,9 @@ def generate(
                     raise ZeroliteError(f"cannot write {target}: folder {target.parent} does not exist")
             sampling()  # its checks, before the prompts are read
             if draft is not None and batch_size not in (None, "1"):
-                raise ZeroliteError(f"--draft runs prompts one at a time (speculative decoding is for batch 1), and --batch-size "
-                                    f"is {batch_size}: leave out --batch-size, or leave out --draft to batch them")
+                raise ZeroliteError("--draft runs prompts one at a time (speculative decoding is for batch 1), "
+                                    f"and --batch-size is {batch_size}: leave out --batch-size, or leave out --draft "
+                                    "to batch them")
             options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
             return read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
 
@@ -84,7 +93,8 @@ def generate(
         if batch is not None:  # before minutes of loading (auto sizes are checked once known)
             world.run_on_all(lambda: check_work(len(todo), batch, world.size), "dealing out the batches")
         planned_batch, planned = None, None
-        if world.size == 1 and draft is None and spec.offload == "nvme" and None in (batch, spec.cpu_memory, spec.prefetch_depth):
+        if (world.size == 1 and draft is None and spec.offload == "nvme"
+                and None in (batch, spec.cpu_memory, spec.prefetch_depth)):
             left = [p for p in todo if p.id not in done]
             planned_batch, spec, planned = plan_the_job(spec, left, max_new_tokens, batch)
         lm = stack.enter_context(options.load_model(spec, world=world))
@@ -94,7 +104,10 @@ def generate(
                 log.append(batch)
                 return
             for c in batch:
-                typer.echo(((c.prompt or "") + c.completion if not chat else c.completion) if c.completion is not None else json.dumps(c.token_ids))
+                if c.completion is None:
+                    typer.echo(json.dumps(c.token_ids))
+                else:
+                    typer.echo(c.completion if chat else (c.prompt or "") + c.completion)
 
         def start(size: int, tokens: int) -> None:
             """Once the model loaded and the prompts passed their checks: a run that fails says only why."""
@@ -116,18 +129,21 @@ def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int,
                  batch: int | None) -> tuple[int | None, LoadSpec, str | None]:
     """zerolite plan's search for this job, for what the user left open: the batch (auto), the
     host budget and the prefetch depth. Returns the batch it chose (None where it was given), a new
-    LoadSpec with the budget and depth it chose, and a line saying so. Where the planner cannot say (no config it can read, a model it thinks
-    cannot fit, or a fault of its own), the defaults stand: the loader's own checks have the last word."""
+    LoadSpec with the budget and depth it chose, and a line saying so. Where the planner cannot say (no
+    config it can read, a model it thinks cannot fit, or a fault of its own), the defaults stand: the
+    loader's own checks have the last word."""
     from zerolite.planner.for_job import choose_for_job
     from zerolite.runtime.policy import Policy
 
-    longest = max((len(p.input_ids) if p.input_ids is not None else len(p.text or "") // 3 + 1 for p in prompts), default=1)
+    longest = max((len(p.input_ids) if p.input_ids is not None else len(p.text or "") // 3 + 1 for p in prompts),
+                  default=1)
     try:
         Policy(device=spec.device)
     except ZeroliteError:
         return None, spec, None  # the loader says what is wrong with it
     try:
-        best = choose_for_job(spec, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)), spec.device).best
+        best = choose_for_job(spec, len(prompts), longest, new_tokens, batch and min(batch, len(prompts)),
+                              spec.device).best
     except Exception as e:  # noqa: BLE001 - a plan is advice: whatever stops it, the run goes on with the defaults
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return None, spec, f"plan: none for this job ({reason}); the default budgets stand"
@@ -141,6 +157,7 @@ def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int,
     if spec.prefetch_depth is None:
         spec = dataclasses.replace(spec, prefetch_depth=c.prefetch_depth)
         chosen.append(f"prefetch depth {c.prefetch_depth}")
-    line = (f"plan for {len(prompts)} prompts x {new_tokens} tokens: {', '.join(chosen)} ({c.weights} weights; predicted "
-            f"{best.tokens_per_s:.1f} tokens/s, {best.bottleneck}-bound, {best.fill_s:.1f} s filling memory; zerolite plan says why)")
+    line = (f"plan for {len(prompts)} prompts x {new_tokens} tokens: {', '.join(chosen)} ({c.weights} weights; "
+            f"predicted {best.tokens_per_s:.1f} tokens/s, {best.bottleneck}-bound, {best.fill_s:.1f} s filling memory; "
+            "zerolite plan says why)")
     return (c.batch_size if batch is None else None), spec, line

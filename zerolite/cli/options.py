@@ -27,7 +27,8 @@ Model = Annotated[str | None, typer.Option(
     "--model", "-m", help="A layout folder, or a model folder / .gguf / hub id to convert under --path first "
     "(default: the built-in SmolLM2-135M-Instruct).")]
 Offload = Annotated[str, typer.Option(
-    help="Where the blocks live while running: nvme (stream from the layout), cpu (host memory) or none (all resident).")]
+    help="Where the blocks live while running: nvme (stream from the layout), cpu (host memory) "
+    "or none (all resident).")]
 LayoutPath = Annotated[Path | None, typer.Option(
     "--path", help="Offload root, such as /nvme, holding one layout per model in a folder of its own, where --model "
     "is converted; or a layout to run (default: zerolite's cache).")]

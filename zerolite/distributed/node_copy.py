@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from zerolite.io.device import Device
+from zerolite.distributed.world import World
 from zerolite.errors import ZeroliteError
+from zerolite.io.device import Device
 from zerolite.io.engine import ALIGNMENT, align_up
 from zerolite.layout.store import DiskStore, MemoryStore
-from zerolite.distributed.world import World
 
 
 class NodeCopy(MemoryStore):
@@ -72,7 +72,8 @@ class NodeCopy(MemoryStore):
                 try:
                     theirs = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
                 except OSError as e:
-                    raise ZeroliteError(f"cannot open the host copy of rank {world.rank - world.local_rank} ({e.strerror}): "
+                    raise ZeroliteError(f"cannot open the host copy of rank {world.rank - world.local_rank} "
+                                        f"({e.strerror}): "
                                         "the ranks of one node must run as one user on one machine") from e
                 try:
                     mine = map_shared(theirs, total, device, offsets)

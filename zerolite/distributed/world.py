@@ -78,7 +78,8 @@ class World:
             except (TypeError, ValueError):
                 raise ZeroliteError(f"the environment says WORLD_SIZE but {key} is {text!r}: start zerolite with "
                                     "torchrun, which sets them all") from None
-        world = cls(number["RANK"], number["WORLD_SIZE"], number["LOCAL_RANK"], number["LOCAL_WORLD_SIZE"], number["GROUP_RANK"])
+        world = cls(number["RANK"], number["WORLD_SIZE"], number["LOCAL_RANK"], number["LOCAL_WORLD_SIZE"],
+                    number["GROUP_RANK"])
         if not 0 <= world.rank < world.size or not 0 <= world.local_rank < world.local_size:
             raise ZeroliteError(f"the environment's ranks do not add up (RANK {world.rank} of {world.size}, LOCAL_RANK "
                                 f"{world.local_rank} of {world.local_size}): start zerolite with torchrun")
@@ -104,7 +105,8 @@ class World:
                 dist.init_process_group("gloo", rank=self.rank, world_size=self.size, timeout=GATHER_TIMEOUT)
             except (RuntimeError, ValueError) as e:
                 raise ZeroliteError(f"rank {self.rank} could not reach the others ({describe(e)}): check "
-                                    "--master-addr and --master-port, and that every node runs the same torchrun") from e
+                                    "--master-addr and --master-port, and that every node runs the same "
+                                    "torchrun") from e
             # While the interpreter is whole: gloo's threads still hold the last gather's tensors,
             # and freeing them during finalization aborts the process (SIGABRT), now and then.
             atexit.register(leave_group)

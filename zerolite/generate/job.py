@@ -23,7 +23,8 @@ from zerolite.generate.stats import RunStats
 from zerolite.sampling import Sampling
 
 
-def open_job(world: World, stack: ExitStack, read, output: Path | None) -> tuple[list[Prompt], set, CompletionLog | None]:
+def open_job(world: World, stack: ExitStack, read,
+             output: Path | None) -> tuple[list[Prompt], set, CompletionLog | None]:
     """Rank 0's prompts (read()) and the ids its output already holds, on every rank; and on rank
     0 the output's log, open for appending until stack closes."""
     log = None

@@ -36,7 +36,8 @@ class CompletionLog:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
-            raise ZeroliteError(f"another zerolite is writing `output` {path}: wait for it to finish or choose another file") from None
+            raise ZeroliteError(f"another zerolite is writing `output` {path}: wait for it to finish "
+                                "or choose another file") from None
         try:
             done = cut_torn_tail_and_read_ids(handle, path)
         except ZeroliteError:
@@ -79,6 +80,7 @@ def cut_torn_tail_and_read_ids(handle, path: Path) -> set:
             done.add(record["id"])
         except (ValueError, KeyError, TypeError):
             raise ZeroliteError(
-                f"`output` {path} line {number} is not a zerolite completion: it is another file; choose another `output`"
+                f"`output` {path} line {number} is not a zerolite completion: it is another file; "
+                "choose another `output`"
             ) from None
     return done

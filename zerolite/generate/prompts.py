@@ -90,6 +90,7 @@ def parse_line(line: bytes, where: str, number: int) -> Prompt:
             raise ZeroliteError(f"{where}: \"prompt\" must be a non-empty string")
         return Prompt(obj["id"], obj["prompt"], None, number)
     ids = obj["input_ids"]
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
         raise ZeroliteError(f"{where}: \"input_ids\" must be a non-empty list of token ids (integers >= 0)")
     return Prompt(obj["id"], None, tuple(ids), number)

@@ -71,7 +71,8 @@ def generate_all(
         check_context(lm, prompts, encoded, sampling.max_new_tokens)
 
         def fits() -> int:  # the largest every rank's memory holds
-            return min(world.all_gather(lambda: largest_batch(lm, [len(ids) for ids in encoded], sampling.max_new_tokens),
+            lengths = [len(ids) for ids in encoded]
+            return min(world.all_gather(lambda: largest_batch(lm, lengths, sampling.max_new_tokens),
                                         "choosing the batch size"))
 
         size = decide_batch_size(batch_size, planned=planned_batch, fits=fits)
@@ -95,7 +96,8 @@ def generate_all(
             progress.note(f"batch {start + 1}/{len(batches)}" if len(deal) == 1 else
                           f"batches {start + 1}-{start + len(deal)}/{len(batches)} on {world.size} ranks")
 
-            def run_mine() -> tuple[list[Completion], int] | None:
+            # deal bound as a default: this iteration's batches, whatever the loop holds when all_gather calls it
+            def run_mine(deal: list[range] = deal) -> tuple[list[Completion], int] | None:
                 rows = deal[world.rank] if world.rank < len(deal) else None
                 return run_batch(lm, prompts, encoded, rows, sampling, config, stats, progress) if rows else None
 
@@ -124,7 +126,8 @@ def check_work(prompts: int, batch_size: int, ranks: int) -> None:
     if batches < ranks:
         raise ZeroliteError(f"{prompts} prompt{'s' if prompts != 1 else ''} in batches of {batch_size} make {batches} "
                             f"batch{'es' if batches != 1 else ''}, too few for {ranks} ranks: run {batches} "
-                            f"rank{'s' if batches != 1 else ''} (torchrun --nproc-per-node), or give a smaller `batch_size`")
+                            f"rank{'s' if batches != 1 else ''} (torchrun --nproc-per-node), "
+                            "or give a smaller `batch_size`")
 
 
 def run_batch(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], rows: range, sampling: Sampling, config,

@@ -51,7 +51,8 @@ class ExpertCache:
             if not self._entries:
                 return
             least = min(self._entries, key=self._uses.__getitem__)
-            if self._uses[least] >= self._uses[key] or self._held - self._entries[least].numel() + nbytes > self.budget_bytes:
+            if (self._uses[least] >= self._uses[key]
+                    or self._held - self._entries[least].numel() + nbytes > self.budget_bytes):
                 return
             buffer = self._entries.pop(least)
             self._held -= buffer.numel()

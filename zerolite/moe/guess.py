@@ -52,9 +52,11 @@ class ExpertGuess:
             if router is None:
                 continue
             prefix = f"{layer}.{router}."
-            entries = {t.name.removeprefix(prefix): t for t in manifest.block(name).tensors if t.name.startswith(prefix)}
+            entries = {t.name.removeprefix(prefix): t
+                       for t in manifest.block(name).tensors if t.name.startswith(prefix)}
             if "weight" in entries:  # a quantized router has none: no guess there
-                tensors = read_tensors(disk, name, [entries["weight"]] + [entries[b] for b in ("bias",) if b in entries])
+                wanted = [entries["weight"]] + [entries[b] for b in ("bias",) if b in entries]
+                tensors = read_tensors(disk, name, wanted)
                 self._routers[name] = tuple(t.to(device.torch_device) for t in tensors) + (None,) * (2 - len(tensors))
         self._guessed: dict[str, list[set[int]]] = {}  # block -> the experts each rank named for it
         self._early: dict[str, set[int]] = {}          # block -> those of them brought early

@@ -39,7 +39,8 @@ class HostExperts:
         """The forward that replaces module's (an experts module called with its routing)."""
         prefix = f"{module_path(self.manifest.layers_path, name)}.{self.manifest.block(name).experts.module}."
 
-        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
             return self.compute(name, module, prefix, slots.host_bytes(name), hidden_states, top_k_index, top_k_weights)
 
         return forward

@@ -49,8 +49,10 @@ class ExpertRouting:
         self.slots = slots
         hooks = []
         for name in self.per_expert:
-            experts = model.get_submodule(module_path(manifest.layers_path, name) + "." + manifest.block(name).experts.module)
-            hooks += [experts.register_forward_pre_hook(self._before(name)), experts.register_forward_hook(self._after(name))]
+            experts = model.get_submodule(
+                module_path(manifest.layers_path, name) + "." + manifest.block(name).experts.module)
+            hooks += [experts.register_forward_pre_hook(self._before(name)),
+                      experts.register_forward_hook(self._after(name))]
             if name in self.host_experts:
                 experts.forward = self.host.forward_of(name, experts, slots)
                 hooks.append(ForwardReplaced(experts, self.host))
@@ -75,7 +77,8 @@ class ExpertRouting:
         named = self.guess.ranks(upcoming, hidden, chosen.shape[-1]) if upcoming is not None else None
         # One wait for the device per layer: each answer taken to the host stops the host from
         # queueing ahead of the GPU, so the routing and the guess go there together.
-        answers = torch.cat([chosen.flatten(), named.flatten().to(chosen.dtype)]) if named is not None else chosen.flatten()
+        answers = (torch.cat([chosen.flatten(), named.flatten().to(chosen.dtype)]) if named is not None
+                   else chosen.flatten())
         picked = answers.tolist()
         routed = sorted(set(picked[:chosen.numel()]))
         self.guess.score(name, routed)
@@ -105,7 +108,8 @@ class ExpertRouting:
             return None
         hidden, chosen, weights, first = later
         self.slots.wait_experts(name, [chosen[0, 1 - first].item()])
-        second = experts.forward(hidden, chosen[:, 1 - first:2 - first], torch.ones_like(weights[:, :1]))  # no hooks again
+        # forward itself, not the module's call: no hooks again
+        second = experts.forward(hidden, chosen[:, 1 - first:2 - first], torch.ones_like(weights[:, :1]))
         own = (output, second) if first == 0 else (second, output)
         return torch.stack([own[k] * weights[:, k:k + 1] for k in range(2)], dim=1).sum(dim=1).to(hidden.dtype)
 

@@ -98,7 +98,8 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         seconds = hardware.seconds(weights, costs.dense_weights, rows)
         if costs.experts:
             picked = costs.expected_experts(rows)
-            seconds += picked * hardware.seconds("stored", costs.expert_weights, rows * costs.experts_per_token / picked)
+            seconds += picked * hardware.seconds("stored", costs.expert_weights,
+                                                 rows * costs.experts_per_token / picked)
         return seconds + hardware.flop_seconds(4 * rows * positions * costs.attention_width)
 
     def beyond(rows: float) -> float:
@@ -107,7 +108,8 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         return max(at(hardware.layer_seconds, rows) - matmuls("stored", rows, LAYER_CONTEXT), 0.0)
 
     def layer_compute(rows: int, tokens_in_context: float, prefill: bool) -> float:
-        positions = tokens_in_context / 2 if prefill else tokens_in_context  # a causal prefill attends to half, on average
+        # a causal prefill attends to half, on average
+        positions = tokens_in_context / 2 if prefill else tokens_in_context
         own = matmuls(c.weights, rows, positions)
         if hardware.layer_seconds is None:
             return own
@@ -174,7 +176,8 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         gpu_bytes = int(fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) + ring + (1 - c.kv_offload) * kv
                         + activations + fmt.workspace_bytes)
         host_bytes = int(host_tier + ring + c.kv_offload * kv + RUNTIME_BYTES)
-        fill = host_tier / (hardware.fill_gbps * 1e9) + c.gpu_layers * fmt.layer_bytes / (min(hardware.disk_gbps, hardware.h2d_gbps) * 1e9)
+        fill = (host_tier / (hardware.fill_gbps * 1e9)
+                + c.gpu_layers * fmt.layer_bytes / (min(hardware.disk_gbps, hardware.h2d_gbps) * 1e9))
     else:
         gpu_bytes = 0
         host_bytes = int(fmt.always_bytes + host_tier + (ring if disk_layers else 0) + kv + activations + RUNTIME_BYTES)

@@ -63,7 +63,8 @@ def layout_read_bandwidth(folder: Path, max_bytes: int, engine: IoEngine) -> dic
     chosen = spread(layers, max(max_bytes // (LAYOUT_PASSES * widest), 1))
     figures = read_pass(layout, chosen, passes=LAYOUT_PASSES, engine=engine)
     return {"file": str(folder), "bytes": figures["bytes_per_pass"] * LAYOUT_PASSES,
-            "seconds": round(sum(figures["pass_s"]), 4), "read_gbps": figures["read_gbps"], "backend": figures["backend"]}
+            "seconds": round(sum(figures["pass_s"]), 4), "read_gbps": figures["read_gbps"],
+            "backend": figures["backend"]}
 
 
 def read_bandwidth(file: Path, max_bytes: int, engine: IoEngine) -> dict:
@@ -85,8 +86,8 @@ def read_bandwidth(file: Path, max_bytes: int, engine: IoEngine) -> dict:
     for ticket in in_flight:
         finished = engine.wait(ticket)
     seconds = finished - started
-    return {"file": str(file), "bytes": total, "seconds": round(seconds, 4), "read_gbps": round(total / seconds / 1e9, 3),
-            "backend": engine.backend}
+    return {"file": str(file), "bytes": total, "seconds": round(seconds, 4),
+            "read_gbps": round(total / seconds / 1e9, 3), "backend": engine.backend}
 
 
 def write_scratch(file: Path, nbytes: int) -> None:
@@ -94,7 +95,8 @@ def write_scratch(file: Path, nbytes: int) -> None:
     try:
         fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError as e:
-        raise ZeroliteError(f"cannot write a scratch file in {file.parent}: {e.strerror}; measure a folder you can write to") from e
+        raise ZeroliteError(f"cannot write a scratch file in {file.parent}: {e.strerror}; "
+                            "measure a folder you can write to") from e
     try:
         written = 0
         while written < nbytes:
@@ -103,7 +105,8 @@ def write_scratch(file: Path, nbytes: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError as e:
         file.unlink(missing_ok=True)
-        raise ZeroliteError(f"writing the scratch file {file} failed: {e.strerror}; free {nbytes / 1e9:.1f} GB there") from e
+        raise ZeroliteError(f"writing the scratch file {file} failed: {e.strerror}; "
+                            f"free {nbytes / 1e9:.1f} GB there") from e
     finally:
         os.close(fd)
 

@@ -73,7 +73,8 @@ class ModelCosts:
         always = sum(aligned(tensors[n].nbytes) for b in parts.blocks if b not in layer_blocks for n in b.tensor_names)
 
         def is_expert(name: str) -> bool:
-            return experts > 1 and ".experts." in name and tensors[name].dim() >= 3 and tensors[name].shape[0] == experts
+            return (experts > 1 and ".experts." in name
+                    and tensors[name].dim() >= 3 and tensors[name].shape[0] == experts)
 
         widest = max(layer_blocks, key=lambda b: sum(tensors[n].nbytes for n in b.tensor_names))
         layer = {n: tensors[n] for n in widest.tensor_names}
@@ -97,7 +98,8 @@ class ModelCosts:
             )
         shape = ModelShape.of(config)
         return cls(
-            name=name or getattr(config, "_name_or_path", "") or config.model_type, dtype=dtype, layers=len(layer_blocks),
+            name=name or getattr(config, "_name_or_path", "") or config.model_type, dtype=dtype,
+            layers=len(layer_blocks),
             formats=formats, dense_weights=linear_weights, expert_weights=expert_weights,
             experts=experts if expert_names else 0, experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
             head_weights=shape.vocab * shape.hidden, attention_width=shape.attention_width,

@@ -68,7 +68,8 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     if fits < 1:
         raise ZeroliteError(
             f"not even one sequence of {length} tokens fits: it needs {per_sequence_device / 1e9:.2f} GB and "
-            f"{device_free / 1e9:.2f} GB is free; lower `max_new_tokens`, use `kv_offload`, or keep fewer blocks resident"
+            f"{device_free / 1e9:.2f} GB is free; lower `max_new_tokens`, use `kv_offload`, "
+            "or keep fewer blocks resident"
         )
     return max(1, min(fits, len(prompt_tokens), MAX_BATCH))
 

@@ -55,7 +55,8 @@ class Budgets:
             in_host = policy.cpu_memory
         else:
             memory = psutil.virtual_memory()
-            always = 0 if device.separate_memory else manifest.nbytes(b.name for b in manifest.blocks if b.name not in layers)
+            always = (0 if device.separate_memory
+                      else manifest.nbytes(b.name for b in manifest.blocks if b.name not in layers))
             in_host = max(memory.available - ranks_here * (ring_on_host + reserve(memory.total)) - always, 0)
         return cls(on_device, in_host)
 

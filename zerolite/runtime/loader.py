@@ -47,8 +47,8 @@ def rank_device(policy: Policy, world: World) -> Device:
     if not isinstance(spec, str) or spec == "cpu" or world.local_size == 1:
         return policy.target()
     if spec.startswith("cuda:"):
-        raise ZeroliteError(f"`device` {spec} would put the {world.local_size} ranks of a node on one GPU: give `device` "
-                            "cuda, and each rank takes the GPU of its LOCAL_RANK")
+        raise ZeroliteError(f"`device` {spec} would put the {world.local_size} ranks of a node on one GPU: "
+                            "give `device` cuda, and each rank takes the GPU of its LOCAL_RANK")
     if spec == "auto" and not cuda_available():
         return policy.target()
     count = cuda_device_count()

@@ -6,7 +6,6 @@ run, slower or riskier than it could) are returned for the caller to print, one 
 
 from __future__ import annotations
 
-
 import psutil
 
 from zerolite.errors import ZeroliteError
@@ -48,7 +47,8 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
         host_needed = shared + ranks_here * each
         what = "holds"
     if ranks_here > 1:
-        what += f" (for the {ranks_here} ranks on this node: one copy of {shared / 1e9:.1f} GB, and {each / 1e9:.1f} GB each)"
+        what += (f" (for the {ranks_here} ranks on this node: one copy of {shared / 1e9:.1f} GB, "
+                 f"and {each / 1e9:.1f} GB each)")
     if host_needed > available:
         if policy.offload == "none":
             fix = "use `offload` nvme to stream the layers from disk"
@@ -59,7 +59,8 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
         else:
             fix = "lower `prefetch_depth`"
         raise ZeroliteError(
-            f"this plan {what} {host_needed / 1e9:.1f} GB in host memory but {available / 1e9:.1f} GB is available: {fix}"
+            f"this plan {what} {host_needed / 1e9:.1f} GB in host memory but {available / 1e9:.1f} GB is available: "
+            f"{fix}"
         )
 
     if separate:
@@ -76,7 +77,7 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
 
     if plan.on_disk and not all(map(supports_direct_io, layout.read_paths)):
         warnings.append(
-            f"{layout.folder} is on a file system without O_DIRECT (older tmpfs, some network file systems): reading through the page cache, "
-            "which costs host memory and bandwidth"
+            f"{layout.folder} is on a file system without O_DIRECT (older tmpfs, some network file systems): "
+            "reading through the page cache, which costs host memory and bandwidth"
         )
     return warnings

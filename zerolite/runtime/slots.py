@@ -161,7 +161,8 @@ class Slots:
                 slot.source = self.memory.bytes_of(name)
             elif name in self._ahead:
                 ahead = self._ahead.pop(name)
-                slot.host, slot.ticket, slot.submitted, slot.source = ahead.host, ahead.ticket, ahead.submitted, ahead.host
+                slot.host, slot.ticket, slot.submitted = ahead.host, ahead.ticket, ahead.submitted
+                slot.source = ahead.host
             else:
                 if self.separate:
                     slot.host = self._staging_buffer()

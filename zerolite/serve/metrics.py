@@ -41,7 +41,8 @@ class ServeMetrics:
         self.generated_tokens = Counter("zerolite_generated_tokens", "Tokens generated", registry=r)
         self.tokens_per_s = Gauge("zerolite_tokens_per_second", f"Tokens generated per second over the last "
                                   f"{RATE_WINDOW_S:.0f} s", registry=r)
-        self.steps = Histogram("zerolite_step_seconds", "Time of one step: one pass over the weights for the whole batch",
+        self.steps = Histogram("zerolite_step_seconds",
+                               "Time of one step: one pass over the weights for the whole batch",
                                buckets=STEP_BUCKETS, registry=r)
         self.ttft = Histogram("zerolite_time_to_first_token_seconds", "From a request's arrival to its first token",
                               buckets=TTFT_BUCKETS, registry=r)

@@ -142,7 +142,8 @@ def parse(kind: type[BaseModel], raw: bytes):
     """The request body as kind, or BadRequest naming the first thing wrong with it."""
     try:
         data = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad JSON or bad UTF-8; a 5000-digit number; [[[[... nested past the stack
+    except (ValueError, RecursionError) as e:
+        # bad JSON or bad UTF-8; a 5000-digit number; [[[[... nested past the stack
         raise BadRequest(f"the request body is not valid JSON ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(data, dict):
         raise BadRequest(f"the request body must be a JSON object, not {type(data).__name__}")
@@ -157,10 +158,12 @@ def parse(kind: type[BaseModel], raw: bytes):
 def describe(error: dict, kind: type[BaseModel]) -> tuple[str, int, str, str]:
     # pydantic names the union member it tried in the location ("str", "list[int]", "TextPart"): not fields
     field = ".".join(str(part) for part in error["loc"]
-                     if not (str(part) in ("str", "int", "float", "bool") or "[" in str(part) or str(part)[:1].isupper()))
+                     if not (str(part) in ("str", "int", "float", "bool")
+                             or "[" in str(part) or str(part)[:1].isupper()))
     top = str(error["loc"][0]) if error["loc"] else ""
     if error["type"] == "extra_forbidden":
-        return f"unknown parameter {field!r}: see the OpenAI API's {kind.__name__} for the ones there are", 400, "unknown_parameter", field
+        return (f"unknown parameter {field!r}: see the OpenAI API's {kind.__name__} for the ones there are",
+                400, "unknown_parameter", field)
     if error["type"] == "missing":
         return f"{field!r} is required", 400, "missing_parameter", field
     if top == "prompt":
@@ -198,7 +201,8 @@ def refuse_unsupported(body: Common) -> None:
 
 def check_model(body: Common, served: ServedModel) -> None:
     if body.model != served.name:
-        raise BadRequest(f"model {body.model!r} is not served here: this server serves {served.name!r} (GET /v1/models)",
+        raise BadRequest(f"model {body.model!r} is not served here: this server serves {served.name!r} "
+                         "(GET /v1/models)",
                          code="model_not_found", param="model")
 
 
@@ -214,7 +218,8 @@ def completion_prompts(body: CompletionRequest, served: ServedModel) -> list[lis
                          f"one request takes at most {MAX_N}", param="prompt")
     with bad_prompt("prompt"):
         if isinstance(prompt, str) or isinstance(prompt[0], str):
-            prompts = [encode_text(served.tokenizer, text) for text in ([prompt] if isinstance(prompt, str) else prompt)]
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            prompts = [encode_text(served.tokenizer, text) for text in texts]
         else:
             prompts = prompt if several else [prompt]
         for ids in prompts:

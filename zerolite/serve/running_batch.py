@@ -61,7 +61,8 @@ class RunningBatch:
         self._takes_positions = "position_ids" in forward
         self._keeps_logits = "logits_to_keep" in forward
         self.max_columns = cache_columns_limit(lm.new_cache())
-        self.pad_id = pad_id(lm.tokenizer, self.model.generation_config)  # a masked column's: embedded, never attended to
+        # a masked column's: embedded, never attended to
+        self.pad_id = pad_id(lm.tokenizer, self.model.generation_config)
 
     @property
     def width(self) -> int:

@@ -73,7 +73,8 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise ZeroliteError(f"port {port} on {host} is in use: stop what listens there, or choose another `port`") from None
+            raise ZeroliteError(f"port {port} on {host} is in use: stop what listens there, "
+                                "or choose another `port`") from None
         raise ZeroliteError(f"cannot listen on {host}:{port} ({e.strerror}): check `host` and `port`") from None
     sock.listen(2048)
     sock.set_inheritable(True)

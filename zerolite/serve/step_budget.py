@@ -11,9 +11,9 @@ one token each, which hides under the reads; a prompt joining adds its chunk to 
 decoding ones pad it), which can make the step compute-bound, and then every other client waits
 for it. The shortest recent step stands for the reads' time. Of the steps that used at least half
 the budget: one well over the reads' time was set by its compute, and the budget drops to the
-tokens that would have fit; one that took no longer than the reads lets it grow. On a GPU the budget climbs to its ceiling (whole
-prompts join in one step); on a CPU it settles where the compute meets the disk: the fewer tokens,
-the faster the disk or the slower the cores.
+tokens that would have fit; one that took no longer than the reads lets it grow. On a GPU the
+budget climbs to its ceiling (whole prompts join in one step); on a CPU it settles where the
+compute meets the disk: the fewer tokens, the faster the disk or the slower the cores.
 """
 
 from __future__ import annotations
