@@ -24,7 +24,7 @@ from pathlib import Path
 import uvicorn
 
 from zerolite.errors import ZeroliteError
-from zerolite.runtime.batching import largest_batch
+from zerolite.runtime.batching import decide_batch_size, largest_batch
 from zerolite.serve.app import build_app
 from zerolite.serve.decode_loop import DecodeLoop
 from zerolite.serve.metrics import ServeMetrics
@@ -129,7 +129,8 @@ def run_server(server: DrainingServer, settings: ServeSettings, sock: socket.soc
 def build_server(lm, settings: ServeSettings, model: str | None) -> DrainingServer:
     """The server, its decode loop not started yet."""
     served = served_model(lm, settings, model)
-    max_batch = settings.max_batch or auto_batch(lm, served, settings.step_tokens)
+    max_batch = decide_batch_size(settings.max_batch, planned=AUTO_BATCH_CAP,
+                                  fits=lambda: auto_batch(lm, served, settings.step_tokens))
     metrics = ServeMetrics(lambda: lm.bytes_read)
     decode_loop = DecodeLoop(lm, max_batch, settings.max_queue, settings.step_tokens, metrics)
     local_only = settings.api_key is None and not settings.insecure
