@@ -8,6 +8,7 @@ transformers has it.
 from __future__ import annotations
 
 import functools
+from operator import attrgetter
 
 import torch
 
@@ -31,6 +32,11 @@ from zerolite.runtime.policy import Policy
 from zerolite.speculative.decoding import Speculator, speculative_decoding
 
 
+def built(path: str, doc: str | None = None) -> property:
+    """A read-only attribute of what loading built (OffloadedLM.parts), at a dotted path."""
+    return property(lambda lm: attrgetter(path)(lm.parts), doc=doc)
+
+
 class OffloadedLM:
     """A transformers causal LM whose blocks stream from disk or host memory as it runs.
 
@@ -38,6 +44,20 @@ class OffloadedLM:
     none), .generate takes everything transformers' generate does. .plan, .layout, .policy,
     .device and .load_read_gbps are what the plan printer and the profiler read.
     """
+
+    world: World = built("world", "The ranks of a torchrun job, each with a model of its own.")
+    device: Device = built("device", "The zerolite Device the model runs on (its streams, memory and events).")
+    plan: Plan = built("plan")
+    layout: Layout = built("layout")
+    policy: Policy = built("policy")
+    engine: IoEngine = built("engine")
+    bytes_read: int = built("bytes_read")
+    torch_device: torch.device = built("device.torch_device")
+    load_read_gbps: float = built("load_read_gbps", "How fast the disk read while loading: the plan's bound uses it.")
+    per_expert: frozenset[str] = built("routing.per_expert",
+                                       "The streamed layers whose experts are read apart, only those the router picks.")
+    host_experts: frozenset[str] = built("routing.host_experts", "Of those, the layers whose routed experts the host "
+                                         "computes (`experts` cpu on a GPU).")
 
     def __init__(self, executor: Executor, tokenizer, load_s: float, convert_s: float, draft: OffloadedLM | None = None,
                  draft_step_s: float | None = None):
@@ -52,20 +72,6 @@ class OffloadedLM:
         self.speculator = Speculator(draft.model, executor.timeline, draft_step_s) if draft is not None else None
 
     @property
-    def world(self) -> World:
-        """The ranks of a torchrun job, each with a model of its own."""
-        return self.parts.world
-
-    @property
-    def device(self) -> Device:
-        """The zerolite Device the model runs on (its streams, memory and events)."""
-        return self.parts.device
-
-    @property
-    def torch_device(self) -> torch.device:
-        return self.parts.device.torch_device
-
-    @property
     def config(self):
         return self.model.config
 
@@ -73,44 +79,9 @@ class OffloadedLM:
     def generation_config(self):
         return self.model.generation_config
 
-    @property
-    def bytes_read(self) -> int:
-        return self.parts.bytes_read
-
     def expert_counts(self) -> ExpertCounts:
         """Running totals of a mixture streamed per expert (zerolite.moe.counts)."""
         return self.parts.expert_counts()
-
-    @property
-    def plan(self) -> Plan:
-        return self.parts.plan
-
-    @property
-    def layout(self) -> Layout:
-        return self.parts.layout
-
-    @property
-    def policy(self) -> Policy:
-        return self.parts.policy
-
-    @property
-    def engine(self) -> IoEngine:
-        return self.parts.engine
-
-    @property
-    def load_read_gbps(self) -> float:
-        """How fast the disk read while loading: the plan's bound uses it."""
-        return self.parts.load_read_gbps
-
-    @property
-    def per_expert(self) -> frozenset[str]:
-        """The streamed layers whose experts are read apart, only those the router picks."""
-        return self.parts.routing.per_expert
-
-    @property
-    def host_experts(self) -> frozenset[str]:
-        """Of those, the layers whose routed experts the host computes (`experts` cpu on a GPU)."""
-        return self.parts.routing.host_experts
 
     def new_cache(self, tokens: int = 0):
         """The cache generate would make: with kv_offload, that share of the layers' K/V in host memory,
