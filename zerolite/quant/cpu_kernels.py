@@ -62,25 +62,36 @@ def _checked(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.float().contiguous()
 
 
+def _int4_fits(packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, in_features: int,
+               group_size: int) -> bool:
+    """Whether an int4 weight of out_features x in_features in groups of group_size is what packed
+    ([out, stored in / 2], contiguous) and scale_zero ([groups, out, 2]) hold; the last group may be partial."""
+    groups = scale_zero.shape[0]
+    stored_in = groups * group_size
+    return (packed.dtype == torch.uint8 and tuple(packed.shape) == (out_features, stored_in // 2)
+            and packed.is_contiguous() and tuple(scale_zero.shape) == (groups, out_features, 2)
+            and stored_in - group_size < in_features <= stored_in)
+
+
+def _scales(scale_zero: torch.Tensor) -> torch.Tensor:
+    """Scales and zeros as the kernels read them: bf16 as stored, anything else as fp32, contiguous."""
+    return (scale_zero if scale_zero.dtype == torch.bfloat16 else scale_zero.float()).contiguous()
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int,
                 group_size: int, packing: Int4Packing) -> torch.Tensor:
     """x [rows, in] @ the int4 weight's transpose, in fp32 (x rounded to int8 first where x is not
     fp32 and the CPU runs avx512vnni). packed: uint8 [out, stored in / 2] in
     packing's order; scale_zero: [groups, out, 2], weight = (q - 8) * scale + zero. x may be
     narrower than the stored width (a partial last group): the padding is skipped."""
-    groups = scale_zero.shape[0]
-    stored_in = groups * group_size
+    stored_in = scale_zero.shape[0] * group_size
     in_features = x.shape[-1]
-    if (packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, stored_in // 2)
-            or not packed.is_contiguous() or tuple(scale_zero.shape) != (groups, out_features, 2)
-            or not stored_in - group_size < in_features <= stored_in):
+    if not _int4_fits(packed, scale_zero, out_features, in_features, group_size):
         raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
                          f"packed {tuple(packed.shape)} and scale_zero {tuple(scale_zero.shape)}")
     exact = x.dtype == torch.float32
     x = _checked(x, in_features)
-    if scale_zero.dtype != torch.bfloat16:
-        scale_zero = scale_zero.float()
-    scale_zero = scale_zero.contiguous()
+    scale_zero = _scales(scale_zero)
     y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
     _engine.int4_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, packed.data_ptr(),
                         out_features, in_features, stored_in, group_size, packing.block_rows,
@@ -94,18 +105,13 @@ def int4_dequantize_transposed(out: torch.Tensor, packed: torch.Tensor, scale_ze
     """Writes the int4 weight's transpose into out ([in, out], bf16 or fp32, contiguous), in one
     pass over it: for a prefill, whose many rows then run as one matmul. Returns out."""
     in_features, out_features = out.shape
-    groups = scale_zero.shape[0]
-    stored_in = groups * group_size
+    stored_in = scale_zero.shape[0] * group_size
     if (out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous()
-            or tuple(packed.shape) != (out_features, stored_in // 2) or not packed.is_contiguous()
-            or tuple(scale_zero.shape) != (groups, out_features, 2)
-            or not stored_in - group_size < in_features <= stored_in):
+            or not _int4_fits(packed, scale_zero, out_features, in_features, group_size)):
         raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
                          f"packed {tuple(packed.shape)}, scale_zero {tuple(scale_zero.shape)} "
                          f"and out {tuple(out.shape)} {out.dtype}")
-    if scale_zero.dtype != torch.bfloat16:
-        scale_zero = scale_zero.float()
-    scale_zero = scale_zero.contiguous()
+    scale_zero = _scales(scale_zero)
     _engine.int4_dequantize_transposed(out.data_ptr(), out.dtype == torch.bfloat16, packed.data_ptr(), out_features,
                                        in_features, stored_in, group_size, packing.block_rows,
                                        packing.interleave == "halves", scale_zero.data_ptr(),
