@@ -128,8 +128,9 @@ def generate(
 def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int,
                  batch: int | None) -> tuple[int | None, LoadSpec, str | None]:
     """zerolite plan's search for this job, for what the user left open: the batch (auto), the
-    host budget and the prefetch depth. Returns the batch it chose (None where it was given), a new
-    LoadSpec with the budget and depth it chose, and a line saying so. Where the planner cannot say (no
+    host budget, the prefetch depth, and (--experts auto, a mixture on a GPU) how many layers' experts
+    the CPU computes. Returns the batch it chose (None where it was given), a new LoadSpec with the
+    budget, depth and experts it chose, and a line saying so. Where the planner cannot say (no
     config it can read, a model it thinks cannot fit, or a fault of its own), the defaults stand: the
     loader's own checks have the last word."""
     from zerolite.planner.for_job import choose_for_job
@@ -157,6 +158,11 @@ def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int,
     if spec.prefetch_depth is None:
         spec = dataclasses.replace(spec, prefetch_depth=c.prefetch_depth)
         chosen.append(f"prefetch depth {c.prefetch_depth}")
+    if spec.experts in (None, "auto") and best.experts is not None:
+        on_cpu = best.experts != "device"
+        spec = dataclasses.replace(spec, experts="cpu" if on_cpu else "device",
+                                   cpu_expert_layers=c.cpu_expert_layers if best.experts == "split" else None)
+        chosen.append(f"experts on the CPU in {c.cpu_expert_layers} layers" if on_cpu else "experts copied to the GPU")
     line = (f"plan for {len(prompts)} prompts x {new_tokens} tokens: {', '.join(chosen)} ({c.weights} weights; "
             f"predicted {best.tokens_per_s:.1f} tokens/s, {best.bottleneck}-bound, {best.fill_s:.1f} s filling memory; "
             "zerolite plan says why)")

@@ -49,9 +49,15 @@ KvOffload = Annotated[float, typer.Option(
     "--kv-offload", help="Share of the layers (0 to 1) whose K/V cache lives in host memory, so the batch can grow "
     "past device memory.")]
 Experts = Annotated[str, typer.Option(
-    "--experts", help="A mixture of experts: routed (or device) moves only the experts the router picks at each step "
+    "--experts", help="A mixture of experts: device (or routed) moves only the experts the router picks at each step "
     "to the device, whole moves every expert, as a dense layer streams; cpu (on a GPU) computes the routed experts on "
-    "the CPU from host memory, only their tokens' hidden states crossing to the GPU and back.")]
+    "the CPU from host memory, only their tokens' hidden states crossing to the GPU and back; auto takes zerolite "
+    "plan's choice where generate plans the job, per layer, from the link's and the CPU's measured rates (else "
+    "device). On a CPU every choice but whole computes the routed experts where they live.")]
+CpuExpertLayers = Annotated[int | None, typer.Option(
+    "--cpu-expert-layers", min=0, help="With --experts cpu: how many of the layers read per expert have their "
+    "experts computed on the CPU, spread among the others, whose experts go to the GPU (default: all).",
+    show_default=False)]
 Weights = Annotated[str | None, typer.Option(
     "--weights", help="stored (the checkpoint's own precision), or int8 / int4: its layers' weights converted so, once "
     "(a quarter of the bytes to stream with int4).", show_default=False)]
@@ -77,7 +83,8 @@ LOAD_OPTIONS = {
     "gpu_memory": (GpuMemory, None),
     "cpu_memory": (CpuMemory, None),
     "kv_offload": (KvOffload, 0.0),
-    "experts": (Experts, "routed"),
+    "experts": (Experts, "auto"),
+    "cpu_expert_layers": (CpuExpertLayers, None),
     "weights": (Weights, None),
     "allow_pickle": (AllowPickle, False),
     "draft": (Draft, None),

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from zerolite.cli.app import app
-from zerolite.cli.options import CpuMemory, GpuMemory, LayoutPath, Model, parse_batch_size
+from zerolite.cli.options import CpuExpertLayers, CpuMemory, GpuMemory, LayoutPath, Model, parse_batch_size
 from zerolite.errors import ZeroliteError
 
 
@@ -22,6 +22,12 @@ DiskGbps = rate_option(
 H2dGbps = rate_option("--h2d-gbps", "Host-to-GPU copies, as 25GB/s (default: measured here).")
 GpuTflops = rate_option(
     "--gpu-tflops", "The GPU's dense matmul rate in its dtype, as 77TFLOPS (default: this machine's, measured).")
+CpuGbps = rate_option(
+    "--cpu-gbps", "The CPU's rate for a mixture's experts on a GPU machine: the weight bytes its matmuls stream at "
+    "batch 1, as 300GB/s (default: this machine's CPU, measured).")
+CpuTflops = rate_option(
+    "--cpu-tflops", "The CPU's matmul rate at a large batch in the model's dtype, as 5TFLOPS (default: this "
+    "machine's CPU, measured).")
 
 
 @app.command()
@@ -52,6 +58,11 @@ def plan(
         show_default=False)] = None,
     prefetch_depth: Annotated[int | None, typer.Option(
         min=1, help="Pin the slots in the ring.", show_default=False)] = None,
+    experts: Annotated[str, typer.Option(
+        help="A mixture on a GPU: device copies each layer's routed experts to the GPU, cpu computes them on the CPU "
+        "where they live, auto chooses per layer from the link's and the CPU's rates. Without a GPU the experts "
+        "compute where they live, whatever this says.")] = "auto",
+    cpu_expert_layers: CpuExpertLayers = None,
     cpu_memory: CpuMemory = None,
     gpu_memory: GpuMemory = None,
     host_ram: Annotated[str | None, typer.Option(
@@ -61,11 +72,15 @@ def plan(
     disk_gbps: DiskGbps = None,
     h2d_gbps: H2dGbps = None,
     gpu_tflops: GpuTflops = None,
+    cpu_gbps: CpuGbps = None,
+    cpu_tflops: CpuTflops = None,
 ) -> None:
     """Choose the batch size, weight format, tiers, K/V offload and prefetch depth for the most tokens/s
     (or, with --latency, the least time per prompt), and predict prefill, decode step and what limits it.
     Works from the model's config alone; any choice given as a flag is pinned, as generate takes it."""
     from zerolite.planner.cost import Job
+    from zerolite.planner.cpu_experts import with_cpu_experts
+    from zerolite.planner.experts_side import EXPERTS_PINS
     from zerolite.planner.faults import planner_part
     from zerolite.planner.for_job import model_and_machine
     from zerolite.planner.hardware import parse_bandwidth, parse_flops
@@ -76,11 +91,17 @@ def plan(
 
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ZeroliteError(f"unknown --weights {weights!r}: choose stored, int8 or int4")
-    Policy(offload=offload or "nvme", device=device, kv_offload=kv_offload or 0.0)  # generate's checks of those flags
+    if experts not in EXPERTS_PINS:
+        raise ZeroliteError(f"unknown --experts {experts!r}: choose device, cpu or auto")
+    # generate's checks of those flags
+    Policy(offload=offload or "nvme", device=device, kv_offload=kv_offload or 0.0,
+           experts=experts, cpu_expert_layers=cpu_expert_layers)
     flags = {
         "disk_gbps": parse_bandwidth(disk_gbps, "--disk-gbps") if disk_gbps else None,
         "h2d_gbps": parse_bandwidth(h2d_gbps, "--h2d-gbps") if h2d_gbps else None,
         "gpu_tflops": parse_flops(gpu_tflops, "--gpu-tflops") if gpu_tflops else None,
+        "cpu_gbps": parse_bandwidth(cpu_gbps, "--cpu-gbps") if cpu_gbps else None,
+        "cpu_tflops": parse_flops(cpu_tflops, "--cpu-tflops") if cpu_tflops else None,
         "host_ram": parse_size(host_ram, "--host-ram") if host_ram else None,
         "gpu_ram": parse_size(gpu_ram, "--gpu-ram") if gpu_ram else None,
     }
@@ -97,10 +118,13 @@ def plan(
     costs, hardware = model_and_machine(source, "cpu" if described_gpu else device, measure_disk=measure_disk_rate,
                                         probe=not described_gpu, disk_gbps=flags["disk_gbps"])
     hardware = hardware.with_flags(**flags, **({"gpu": True} if described_gpu else {}))
+    with planner_part("time this machine's matmuls"):
+        hardware = with_cpu_experts(hardware, costs, source.dtype)
     pins = Pins(weights=weights or layout_weights, batch_size=parse_batch_size(batch_size), kv_offload=kv_offload,
                 cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
                 gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
-                prefetch_depth=prefetch_depth, offload=offload)
+                prefetch_depth=prefetch_depth, offload=offload, experts=None if experts == "auto" else experts,
+                cpu_expert_layers=cpu_expert_layers)
     job = Job(prompt_tokens, new_tokens, prompts)
     with planner_part("weigh the plans"):
         choice = search(costs, hardware, job, pins, latency=latency or pins.batch_size == 1)
@@ -129,6 +153,9 @@ def generate_command(model: str | None, best, gpu: bool) -> list[str]:
         words += ["--gpu-memory", megabytes(best.gpu_memory)]
     if c.kv_offload:
         words += ["--kv-offload", f"{c.kv_offload:g}"]
+    if best.experts is not None:
+        words += ["--experts", "device" if best.experts == "device" else "cpu"]
+        words += ["--cpu-expert-layers", str(c.cpu_expert_layers)] if best.experts == "split" else []
     return words + ["--prefetch-depth", str(c.prefetch_depth)]
 
 
@@ -148,11 +175,32 @@ def plan_dict(best, costs, hardware, command: list[str]) -> dict:
         "disk_s": round(best.disk_s, 4), "copy_s": round(best.copy_s, 4), "compute_s": round(best.compute_s, 4),
         "tokens_per_s": round(best.tokens_per_s, 3), "bottleneck": best.bottleneck, "fill_s": round(best.fill_s, 2),
         "job_s": round(best.job_s, 2), "host_bytes": best.host_bytes, "gpu_bytes": best.gpu_bytes,
+        "experts": best.experts, "cpu_expert_layers": c.cpu_expert_layers, "cpu_s": round(best.cpu_s, 4),
         "hardware": {"gpu": hardware.gpu, "host_ram": hardware.host_ram, "gpu_ram": hardware.gpu_ram,
                      "disk_gbps": hardware.disk_gbps, "fill_gbps": hardware.fill_gbps, "h2d_gbps": hardware.h2d_gbps,
-                     "gpu_tflops": hardware.gpu_tflops, "sources": hardware.sources},
+                     "gpu_tflops": hardware.gpu_tflops, "cpu_gbps": hardware.cpu_gbps,
+                     "cpu_tflops": hardware.cpu_tflops, "sources": hardware.sources},
         "command": command,
     }
+
+
+def experts_row(best, costs, hardware) -> str:
+    """Where the chosen plan computes a mixture's routed experts, and at what rates."""
+    where = best.experts
+    if where is None:
+        return ("routed experts computed where they live: on the CPU, with no GPU (auto, cpu and device are one here)"
+                if not hardware.gpu else "every layer resident on the GPU, its experts with it")
+    c = best.candidate
+    streamed = costs.layers - c.gpu_layers
+    cpu = (f"the CPU at {hardware.cpu_gbps:.0f} GB/s and {hardware.cpu_tflops:g} TFLOPS "
+           f"({best.cpu_s:.3f} s a step, round trips included)")
+    link = f"copied to the GPU at {hardware.h2d_gbps:.1f} GB/s"
+    if where == "device":
+        return f"routed experts of all {streamed} streamed layers {link} (rather than computed by {cpu.split(' (')[0]})"
+    if where == "cpu":
+        return f"routed experts of all {streamed} streamed layers computed by {cpu}; only their dense parts copied"
+    return (f"routed experts of {c.cpu_expert_layers} of the {streamed} streamed layers computed by {cpu}, "
+            f"the other {streamed - c.cpu_expert_layers} layers' {link}")
 
 
 def show(costs, hardware, job, choice, command: list[str]) -> None:
@@ -189,8 +237,11 @@ def show(costs, hardware, job, choice, command: list[str]) -> None:
     if hardware.gpu:
         table.add_row("K/V offload", f"{c.kv_offload:g} of the layers' K/V in host memory")
     table.add_row("prefetch depth", str(c.prefetch_depth))
+    if costs.experts:
+        table.add_row("experts", experts_row(best, costs, hardware))
     table.add_row("prefill", f"{best.prefill_s:.3f} s")
     parts = [f"disk {best.disk_s:.3f}", f"compute {best.compute_s:.3f}"]
+    parts += [f"of it the CPU's experts {best.cpu_s:.3f}"] if best.cpu_s else []
     parts += [f"copy {best.copy_s:.3f}"] if hardware.gpu else []
     table.add_row("decode step", f"{best.decode_step_s:.3f} s ({', '.join(parts)} s): {best.bottleneck}-bound")
     table.add_row("tokens/s", f"{best.tokens_per_s:.2f} (a batch's new tokens over its prefill and decode)")

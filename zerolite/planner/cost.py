@@ -23,6 +23,13 @@ reads and multiplies batch x prompt rows. Filling the host tier (and the GPU's r
 takes their bytes at the measured fill rate, once per job. What a policy holds in memory (K/V, the
 prefill's activations, a GPU's dense copies and dequantisation) is zerolite.memory_model's count,
 the one the runtime's batch sizes, budgets and preflight use, so a batch planned is one that runs.
+
+On a GPU, the routed experts of cpu_expert_layers of the streamed layers compute on the CPU where
+their bytes are (--experts cpu): the link then moves only those layers' dense parts, and the
+compute chain waits for the CPU's experts (zerolite.planner.cpu_experts.cpu_layer_seconds) in place
+of the GPU's. Those layers are spread among the others (zerolite.runtime.parts.host_expert_layers),
+so each streamed layer is priced at the mean of the two: the link copies some layers' experts while
+the CPU computes others' (zerolite.planner.experts_side chooses how many).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dataclasses import dataclass
 from zerolite.io import engine
 from zerolite.memory_model import prefill_activation_bytes
 from zerolite.planner.compute_probe import LAYER_CONTEXT
+from zerolite.planner.cpu_experts import cpu_layer_seconds
 from zerolite.planner.hardware import RUNTIME_BYTES, Hardware, at
 from zerolite.planner.model_costs import ModelCosts
 
@@ -53,6 +61,7 @@ class Candidate:
     gpu_layers: int = 0          # layers resident on the GPU
     kv_offload: float = 0.0      # share of the layers whose K/V live in host memory (GPU)
     prefetch_depth: int = 2
+    cpu_expert_layers: int = 0   # of the streamed layers, those whose routed experts the CPU computes (GPU, mixture)
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class Prediction:
     disk_s: float                # per decode step
     copy_s: float
     compute_s: float
-    bottleneck: str              # "disk", "copy" or "compute"
+    bottleneck: str              # "disk", "copy", "compute", or "cpu" (compute, the CPU's experts the larger part)
     fill_s: float                # loading the host tier and resident layers, once
     tokens_per_s: float          # a batch's new tokens over its prefill and decode
     job_s: float                 # the whole job: fill, then its batches one after another
@@ -71,6 +80,9 @@ class Prediction:
     gpu_bytes: int
     cpu_memory: int              # the budgets that give this policy to generate (--cpu-memory, --gpu-memory)
     gpu_memory: int
+    cpu_s: float = 0.0           # per decode step, of compute: the CPU's experts (and their round trips)
+    experts: str | None = None   # a mixture's routed experts on a GPU: "device", "cpu", or "split" (some layers each);
+                                 # None for a dense model, or with nothing to choose (no GPU, or no layer streamed)
 
     def fits(self, hardware: Hardware) -> bool:
         return self.host_bytes <= hardware.host_ram and (not hardware.gpu or self.gpu_bytes <= hardware.gpu_ram)
@@ -124,12 +136,23 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
     def step_overhead(rows: int) -> float:
         return at(hardware.step_seconds, rows) if hardware.step_seconds else 0.0
 
-    def step(rows: int, tokens_in_context: float, prefill: bool) -> tuple[float, float, float, float]:
+    def gpu_experts(rows: int) -> float:
+        """What the GPU's matmuls of a layer's routed experts take (as matmuls() counts them)."""
+        picked = costs.expected_experts(rows)
+        return picked * hardware.seconds("stored", costs.expert_weights, rows * costs.experts_per_token / picked)
+
+    def step(rows: int, tokens_in_context: float, prefill: bool) -> tuple[float, float, float, float, float]:
         # A ring with a slot for every streamed layer keeps them there after the first forward: a
         # decode step then reads and copies nothing (tests/test_timed_device.py). Counted on a GPU
         # alone for now: on a CPU the search would then pick a deep ring over held layers.
         kept = hardware.gpu and not prefill and streamed_layers <= c.prefetch_depth
         moved, rate = 0 if kept else step_bytes(rows), hardware.disk_gbps * 1e9
+        # The share of the streamed layers whose experts the CPU computes: their reads are the same,
+        # their copies only the dense part, their experts' time the CPU's instead of the GPU's.
+        on_cpu = c.cpu_expert_layers / streamed_layers if c.cpu_expert_layers else 0.0
+        copied = moved - on_cpu * (moved - (0 if kept else fmt.layer_bytes - costs.experts * fmt.expert_bytes))
+        cpu = c.cpu_expert_layers * cpu_layer_seconds(costs, hardware, rows) if on_cpu else 0.0
+        instead = on_cpu * (cpu / c.cpu_expert_layers - gpu_experts(rows)) if on_cpu else 0.0
         disk = disk_layers * moved / rate
         if costs.experts and disk_layers and not kept:
             # The first layer read from disk has no layer before it to guess its experts (nor to
@@ -138,16 +161,18 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         copy = 0.0
         if hardware.gpu:
             kv_now = c.kv_offload * b * tokens_in_context * costs.kv_bytes_per_token
-            copy = (streamed_layers * moved + (0 if prefill else kv_now)) / (hardware.h2d_gbps * 1e9)
+            copy = (streamed_layers * copied + (0 if prefill else kv_now)) / (hardware.h2d_gbps * 1e9)
         per_layer = layer_compute(rows, tokens_in_context, prefill)
         compute = layers * per_layer + step_overhead(rows) + hardware.seconds("stored", costs.head_weights, b)
+        compute += streamed_layers * instead
+        per_layer += instead  # a streamed one's, on average
         if copy and streamed_layers and c.prefetch_depth >= 2 and not kept:
             # The copy engine idles where what computes between two streamed layers (resident
             # layers, and the head at the step's turn) takes longer than the copies the ring has
             # queued ahead: prefetch_depth - 1. On a GPU the resident layers are spread among the
             # streamed ones (Plan.make), a mixture's read per expert excepted: one stretch first.
             between = compute - streamed_layers * per_layer
-            ahead = (c.prefetch_depth - 1) * moved / (hardware.h2d_gbps * 1e9)
+            ahead = (c.prefetch_depth - 1) * copied / (hardware.h2d_gbps * 1e9)
             gaps = 1 if costs.experts else streamed_layers
             copy += gaps * max(between / gaps - ahead, 0.0)
         if disk_layers and c.prefetch_depth >= 2 and not kept:
@@ -163,11 +188,11 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
             else:
                 disk += disk_layers * max(held / disk_layers - (c.prefetch_depth - 1) * moved / rate, 0.0)
         total = max(disk, copy, compute) if c.prefetch_depth >= 2 else disk + copy + compute
-        return total, disk, copy, compute
+        return total, disk, copy, compute, cpu
 
     prefill, *_ = step(b * job.prompt_tokens, job.prompt_tokens, prefill=True)
-    decode, disk, copy, compute = step(b, context, prefill=False)
-    bottleneck = max((disk, "disk"), (copy, "copy"), (compute, "compute"))[1]
+    decode, disk, copy, compute, cpu = step(b, context, prefill=False)
+    bottleneck = max((disk, "disk"), (copy, "copy"), (compute, "cpu" if 2 * cpu > compute else "compute"))[1]
 
     host_tier = c.host_layers * engine.host_bytes(fmt.layer_bytes)  # as Plan.make counts a layer held in host memory
     ring = c.prefetch_depth * fmt.layer_bytes if streamed_layers else 0
@@ -183,12 +208,16 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         host_bytes = int(fmt.always_bytes + host_tier + (ring if disk_layers else 0) + kv + activations + RUNTIME_BYTES)
         fill = host_tier / (hardware.fill_gbps * 1e9)
     batch_s = prefill + (job.new_tokens - 1) * decode
+    experts = None
+    if hardware.gpu and costs.experts and streamed_layers:
+        experts = {0: "device", streamed_layers: "cpu"}.get(c.cpu_expert_layers, "split")
     rounds = -(-(job.prompts or b) // b)
     return Prediction(
         candidate=c, prefill_s=prefill, decode_step_s=decode, disk_s=disk, copy_s=copy, compute_s=compute,
         bottleneck=bottleneck, fill_s=fill, tokens_per_s=b * job.new_tokens / batch_s, job_s=fill + rounds * batch_s,
         host_bytes=host_bytes, gpu_bytes=gpu_bytes, cpu_memory=host_tier,
-        gpu_memory=fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) if hardware.gpu else 0,
+        gpu_memory=fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) if hardware.gpu else 0, cpu_s=cpu,
+        experts=experts,
     )
 
 

@@ -6,13 +6,15 @@ default host budget become.
 
 The job's length decides the host tier: filling host memory takes time a short job does not win
 back, so a short job may stream every layer where a long one holds what fits. Whatever the user
-set is pinned. Of the choice, generate takes the batch and the host budget; the GPU's budget keeps
-its default (what is free), which holds at least the layers the search put there.
+set is pinned. Of the choice, generate takes the batch, the host budget and (--experts auto) where a
+mixture's experts compute; the GPU's budget keeps its default (what is free), which holds at least
+the layers the search put there.
 """
 
 from __future__ import annotations
 
 from zerolite.planner.cost import Job
+from zerolite.planner.cpu_experts import with_cpu_experts
 from zerolite.planner.faults import planner_part
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.machine import measure_disk
@@ -30,7 +32,8 @@ def choose_for_job(spec: LoadSpec, prompts: int, prompt_tokens: int, new_tokens:
     costs, hardware = model_and_machine(source, device)
     pins = Pins(weights=spec.weights or source.weights or "stored", batch_size=batch_size,
                 kv_offload=spec.kv_offload or 0.0, cpu_memory=spec.cpu_memory, prefetch_depth=spec.prefetch_depth,
-                offload=spec.offload)
+                offload=spec.offload, experts=None if spec.experts in (None, "auto") else spec.experts,
+                cpu_expert_layers=spec.cpu_expert_layers)
     with planner_part("weigh the plans"):
         return search(costs, hardware, Job(prompt_tokens, new_tokens, prompts), pins)
 
@@ -38,11 +41,12 @@ def choose_for_job(spec: LoadSpec, prompts: int, prompt_tokens: int, new_tokens:
 def model_and_machine(source: ModelSource, device: str, **here) -> tuple[ModelCosts, Hardware]:
     """The model's costs from its config, and this machine's figures for it (as recorded, else
     measured now: the disk through measure_disk unless here says otherwise, compute probed with the
-    model's own layer); here: Hardware.here's other keywords. Whatever fails is one line naming the
-    part (zerolite.planner.faults)."""
+    model's own layer, and for a mixture on a GPU the CPU's rates for its experts); here:
+    Hardware.here's other keywords. Whatever fails is one line naming the part (zerolite.planner.faults)."""
     with planner_part("read the model's sizes from its config"):
         costs = ModelCosts.from_config(source.config, source.dtype, source.name)
     with planner_part("measure this machine"):
         hardware = Hardware.here(device, source.disk_target, source.dtype, **{"measure_disk": measure_disk, **here},
                                  model=(source.config, costs.formats["stored"].layer_bytes))
+        hardware = with_cpu_experts(hardware, costs, source.dtype)
     return costs, hardware

@@ -4,6 +4,9 @@ from (measured here and recorded, given as a flag, or taken from this machine no
     hardware = Hardware.here(device="cpu", disk_target=..., dtype=torch.bfloat16)
     hardware = Hardware.described(gpu_ram=..., host_ram=..., disk_gbps=5.6, h2d_gbps=25, gpu_tflops=77)
 
+On a GPU machine, a mixture's routed experts may compute on the CPU instead: its rates for them
+(cpu_gbps, cpu_tflops) come from zerolite.planner.cpu_experts.
+
 A machine described by flags has a GPU when it is given GPU memory or TFLOPS; its compute is then
 the FLOPs at that rate (a GPU's matmuls at a batch's rows are far from memory-bound at the sizes
 offloading runs at). This machine's compute is the probe's (zerolite.planner.compute_probe).
@@ -44,6 +47,8 @@ class Hardware:
     layer_seconds: dict[int, float] | None = None   # probed for the model planned: one decoder layer's decode
     step_seconds: dict[int, float] | None = None    # step by batch, and the step's cost besides layers and head
     sources: dict[str, str] = field(default_factory=dict)
+    cpu_gbps: float | None = None     # a GPU machine's CPU: weight bytes/s its expert matmuls stream at batch 1
+    cpu_tflops: float | None = None   # ... and their FLOP/s at a large batch (zerolite.planner.cpu_experts)
 
     def seconds(self, weights: str, elements: float, rows: float) -> float:
         """Time to multiply rows rows by elements weights stored in the format weights."""

@@ -4,8 +4,9 @@
     choice.best.tokens_per_s
 
 It tries the weight formats, batch sizes (powers of two, and the pinned one), K/V offload shares
-(on a GPU), prefetch depths, and how many layers to keep on the GPU and in host memory (as many as
-fit, none, and steps between: holding layers costs fill time that a short job may not win back).
+(on a GPU), prefetch depths, how many layers to keep on the GPU and in host memory (as many as
+fit, none, and steps between: holding layers costs fill time that a short job may not win back),
+and on a GPU how many of a mixture's layers have their experts computed on the CPU (experts_side).
 Whatever is pinned (the flags generate takes) is held to. Throughput ranks candidates by the job's
 tokens per second, fill included; latency (batch 1) by the job's time.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import host_bytes
 from zerolite.planner.cost import Candidate, Job, Prediction, on_gpu, predict
+from zerolite.planner.experts_side import experts_sides
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
 
@@ -36,6 +38,8 @@ class Pins:
     gpu_memory: int | None = None     # bytes resident on the GPU
     prefetch_depth: int | None = None
     offload: str | None = None        # "nvme", "cpu" or "none"
+    experts: str | None = None        # a mixture's on a GPU: "device" (or "routed"), "cpu"; None or "auto": searched
+    cpu_expert_layers: int | None = None  # with experts "cpu": how many layers (None: every streamed one)
 
 
 @dataclass
@@ -61,7 +65,7 @@ def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(),
                 for depth in depths:
                     for gpu_layers, host_layers in tiers(costs, hardware, weights, pins):
                         candidate = Candidate(weights, batch, host_layers, gpu_layers, kv_offload, depth)
-                        every.append(predict(costs, hardware, candidate, job))
+                        every += experts_sides(costs, hardware, candidate, job, pins.experts, pins.cpu_expert_layers)
     tried = [p for p in every if p.fits(hardware)]
     if not tried:
         raise ZeroliteError(cannot_fit(costs, hardware, job, formats) if pins == Pins()

@@ -37,6 +37,7 @@ class LoadSpec:
     cpu_memory: int | str | None = None
     kv_offload: float | None = None
     experts: str | None = None
+    cpu_expert_layers: int | None = None
     io_backend: str | None = None
     io_queue_depth: int | None = None
     io_chunk_bytes: int | None = None

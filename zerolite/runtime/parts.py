@@ -31,7 +31,7 @@ from zerolite.quant.linear import dequantize_resident, keeps_dense
 from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
 from zerolite.runtime.kv_cache import OffloadedCaches
-from zerolite.runtime.plan import Plan
+from zerolite.runtime.plan import Plan, spread
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.resident import load_resident
 from zerolite.runtime.slots import Slots
@@ -95,8 +95,7 @@ def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, worl
 
     per_expert, experts_note = streamed_per_expert(model, layout, plan.streamed, plan.on_disk,
                                                    policy.experts == "whole", device.separate_memory)
-    # Where the device has memory of its own, `experts` cpu computes those layers' experts on the host
-    host_experts = per_expert if policy.experts == "cpu" and device.separate_memory else frozenset()
+    host_experts = host_expert_layers(per_expert, manifest.layer_names, policy, device.separate_memory)
     routing = ExpertRouting(model, manifest, per_expert, disk, device, host_experts)
 
     started = time.perf_counter()
@@ -123,6 +122,17 @@ def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, worl
                   host_experts=host_experts)
     return Parts(layout, policy, plan, device, world, timeline, model, engine, disk, bindings, routing, expert_cache,
                  slots, OffloadedCaches(device), loaded_bytes, load_read_gbps, experts_note)
+
+
+def host_expert_layers(per_expert: frozenset[str], layers, policy: Policy, separate_memory: bool) -> frozenset[str]:
+    """Of the layers read per expert, those whose routed experts the host computes: where the device
+    has memory of its own, with `experts` cpu, all of them or cpu_expert_layers of them spread among
+    the rest, so that the link copies the others' experts while the host computes."""
+    if policy.experts != "cpu" or not separate_memory:
+        return frozenset()
+    ordered = [name for name in layers if name in per_expert]
+    count = len(ordered) if policy.cpu_expert_layers is None else min(policy.cpu_expert_layers, len(ordered))
+    return frozenset(spread(ordered, count))
 
 
 def host_memory(disk: DiskStore, plan: Plan, device: Device, world: World, progress) -> MemoryStore:

@@ -12,7 +12,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device, cuda_available, resolve
 
 OFFLOAD_CHOICES = ("nvme", "cpu", "none")
-EXPERTS_CHOICES = ("routed", "whole", "device", "cpu")
+EXPERTS_CHOICES = ("auto", "routed", "whole", "device", "cpu")
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,13 @@ class Policy:
     gpu_memory: int | None = None      # bytes of blocks kept resident on the GPU; None: what is free, less headroom
     cpu_memory: int | None = None      # bytes of layers kept in host memory (--offload nvme); None: likewise
     kv_offload: float = 0.0            # fraction of the layers whose K/V cache lives in host memory
-    experts: str = "routed"            # a mixture of experts' layers: "routed" (or "device") moves only the
+    experts: str = "auto"              # a mixture of experts' layers: "routed" (or "device") moves only the
                                        # experts the router picks, "whole" every expert, as a dense layer
                                        # streams; "cpu" computes the routed experts on the host from host
-                                       # memory, on a GPU, moving only the hidden states
+                                       # memory, on a GPU, moving only the hidden states; "auto" is routed
+                                       # unless a plan chose (generate's: zerolite.planner.experts_side)
+    cpu_expert_layers: int | None = None  # with experts cpu: of the layers read per expert, how many the host
+                                          # computes the experts of, spread among the rest (None: all)
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
@@ -49,6 +52,9 @@ class Policy:
             raise ZeroliteError(f"unknown `experts` {self.experts!r}: choose one of {', '.join(EXPERTS_CHOICES)}")
         if self.experts == "device":
             object.__setattr__(self, "experts", "routed")  # the experts routed to, moved to the device
+        if self.cpu_expert_layers is not None and (self.experts != "cpu" or self.cpu_expert_layers < 0):
+            raise ZeroliteError(f"`cpu_expert_layers` counts the layers whose experts the CPU computes: give "
+                                f"0 or more with `experts` cpu, not {self.cpu_expert_layers} with {self.experts}")
         if self.prefetch_depth < 1:
             raise ZeroliteError(f"`prefetch_depth` must be at least 1, got {self.prefetch_depth}")
         for name, budget in (("gpu_memory", self.gpu_memory), ("cpu_memory", self.cpu_memory)):
