@@ -33,6 +33,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.layout.folder import Layout
 from zerolite.moe.experts import find_experts
 from zerolite.runtime.budget import Budgets
+from zerolite.runtime.parts import host_expert_layers
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.slots import Slots
@@ -392,8 +393,41 @@ def test_experts_on_the_cpu_move_no_expert_over_the_link_and_equal_transformers(
             expert_copies(sim, lm, counted)
             assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
             moved[experts] = (sum(counted), lm.executor.slots.expert_bytes_copied)
+            # their experts never go to the device: its slots hold the widest dense part alone
+            widest = max(b.dense_length if experts == "cpu" else b.length
+                         for b in Layout.open(layout).manifest.blocks if b.name in lm.plan.streamed)
+            assert {slot.device.numel() for slot in lm.executor.slots._slots} == {widest}
     assert moved["device"][0] > 0 and moved["device"][1] > 0, moved
     assert moved["cpu"] == (0, 0), moved
+
+
+def test_the_pinned_count_of_layers_on_the_cpu_is_the_one_generation_runs(make_source, make_layout):
+    """`experts` cpu with cpu_expert_layers 2 (what zerolite plan gives generate for a split): the
+    host computes two layers' experts, spread among the others, whose experts the link brings; the
+    tokens are transformers'."""
+    layout, reference = layout_and_reference("gpt_oss", make_source, make_layout)
+    layers = [b.name for b in mixture_layers(layout)]
+    assert len(layers) == 6
+    sim = SimulatedDevice(seed=3, max_delay_s=2e-4)
+    with sim.watching(), zerolite.load(layout, prefetch_depth=2, experts="cpu", cpu_expert_layers=2,
+                                       **{**NVME, **SETUPS["cpu"], "device": sim, "gpu_memory": 0}) as lm:
+        assert lm.host_experts == {layers[1], layers[4]}
+        assert_same_generation(reference("cpu")[1], greedy(lm, BATCH, NEW_TOKENS, logits=True))
+        assert lm.executor.slots.expert_bytes_copied > 0
+        said = [line for line in summarize(lm) if line.startswith("experts on the CPU: ")]
+        assert len(said) == 1 and "of 2 layers" in said[0], said
+
+
+def test_auto_without_a_plan_moves_the_experts_to_the_device_and_a_count_needs_experts_cpu():
+    """auto is what generate's plan resolves; loaded without one, the experts go to the device (as
+    routed); on a CPU every choice computes them where they live."""
+    layers, per_expert = ["layers.0", "layers.1"], frozenset({"layers.0", "layers.1"})
+    assert host_expert_layers(per_expert, layers, Policy(experts="auto"), separate_memory=True) == frozenset()
+    assert host_expert_layers(per_expert, layers, Policy(experts="cpu"), separate_memory=False) == frozenset()
+    assert host_expert_layers(per_expert, layers, Policy(experts="cpu"), separate_memory=True) == per_expert
+    with pytest.raises(ZeroliteError, match="`cpu_expert_layers` counts the layers whose experts the CPU computes: "
+                                            "give 0 or more with `experts` cpu, not 2 with routed"):
+        Policy(experts="device", cpu_expert_layers=2)
 
 
 def test_without_the_wait_for_the_hosts_expert_output_the_device_reads_it_early(make_source, make_layout, monkeypatch):

@@ -79,3 +79,12 @@ def device_placement(entry: BlockEntry) -> Placement:
         end = to + tensor.span
     tensors = tuple(dataclasses.replace(t, offset=placed[t.name]) for t in entry.tensors)
     return Placement(dataclasses.replace(entry, tensors=tensors, length=align_up(end)), tuple(moves))
+
+
+def dense_part(entry: BlockEntry) -> BlockEntry:
+    """A mixture's block (laid out per expert, as on the device: its bytes as read) less its
+    experts: what a device holds of a layer whose experts the host computes (`experts` cpu), its
+    tensors before the experts' extents and its length theirs."""
+    area = entry.experts
+    return dataclasses.replace(entry, tensors=tuple(t for t in entry.tensors if t.offset < area.offset),
+                               length=area.offset)

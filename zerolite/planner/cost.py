@@ -196,10 +196,14 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
 
     host_tier = c.host_layers * engine.host_bytes(fmt.layer_bytes)  # as Plan.make counts a layer held in host memory
     ring = c.prefetch_depth * fmt.layer_bytes if streamed_layers else 0
+    # Where the CPU computes every streamed layer's experts, the GPU's slots hold dense parts alone
+    # (zerolite.runtime.budget.device_slot_bytes); a split's must hold the other layers' experts too.
+    every_on_cpu = streamed_layers and c.cpu_expert_layers == streamed_layers
+    ring_on_gpu = c.prefetch_depth * (fmt.layer_bytes - costs.experts * fmt.expert_bytes) if every_on_cpu else ring
     activations = b * prefill_activation_bytes(costs.shape, job.prompt_tokens, costs.dtype)
     if hardware.gpu:
-        gpu_bytes = int(fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) + ring + (1 - c.kv_offload) * kv
-                        + activations + fmt.workspace_bytes)
+        gpu_bytes = int(fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) + ring_on_gpu
+                        + (1 - c.kv_offload) * kv + activations + fmt.workspace_bytes)
         host_bytes = int(host_tier + ring + c.kv_offload * kv + RUNTIME_BYTES)
         fill = (host_tier / (hardware.fill_gbps * 1e9)
                 + c.gpu_layers * fmt.layer_bytes / (min(hardware.disk_gbps, hardware.h2d_gbps) * 1e9))

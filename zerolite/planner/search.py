@@ -75,8 +75,9 @@ def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(),
         c = p.candidate
         tokens = (job.prompts or c.batch_size) * job.new_tokens
         speed = -p.job_s if latency else tokens / p.job_s
-        # Among equals, the fewest bytes held and the shallowest ring.
-        return (round(speed, 6), -p.host_bytes - p.gpu_bytes, -c.prefetch_depth)
+        # Among equals, the fewest bytes held and the shallowest ring; and where the disk bounds a
+        # step whatever the experts do, the split that leaves the link and the compute most room.
+        return (round(speed, 6), -p.host_bytes - p.gpu_bytes, -c.prefetch_depth, -max(p.copy_s, p.compute_s))
 
     return Choice(max(tried, key=rank), tried)
 

@@ -42,7 +42,8 @@ class Budgets:
         each taking that share of its free memory (--gpu-memory is each rank's own)."""
         layers = manifest.layer_names
         slot = max((manifest.block(name).length for name in layers), default=0)
-        ring_on_device = policy.prefetch_depth * slot if device.separate_memory else 0
+        ring_on_device = policy.prefetch_depth * device_slot_bytes(manifest, layers, policy) if device.separate_memory \
+            else 0
         ring_on_host = policy.prefetch_depth * device.pinned_cost(slot)
         if not device.separate_memory:
             on_device = 0
@@ -59,6 +60,15 @@ class Budgets:
                       else manifest.nbytes(b.name for b in manifest.blocks if b.name not in layers))
             in_host = max(memory.available - ranks_here * (ring_on_host + reserve(memory.total)) - always, 0)
         return cls(on_device, in_host)
+
+
+def device_slot_bytes(manifest: Manifest, names, policy: Policy) -> int:
+    """What a ring slot on a GPU takes for these blocks: the widest, or where the host computes
+    every layer's experts (`experts` cpu, cpu_expert_layers unset), the widest dense part: a
+    mixture's experts never go to the device then."""
+    dense = policy.experts == "cpu" and policy.cpu_expert_layers is None
+    return max((manifest.block(name).dense_length if dense else manifest.block(name).length for name in names),
+               default=0)
 
 
 def reserve(total: int) -> int:

@@ -22,7 +22,7 @@ from zerolite.io.device import Device
 from zerolite.io.engine import IoEngine, aligned_empty
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import DTYPES
-from zerolite.layout.placement import device_placement
+from zerolite.layout.placement import dense_part, device_placement
 from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.moe.cache import ExpertCache
 from zerolite.moe.counts import ExpertCounts
@@ -96,6 +96,9 @@ def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, worl
     per_expert, experts_note = streamed_per_expert(model, layout, plan.streamed, plan.on_disk,
                                                    policy.experts == "whole", device.separate_memory)
     host_experts = host_expert_layers(per_expert, manifest.layer_names, policy, device.separate_memory)
+    for name in host_experts:  # their experts never go to the device: its slots bind the dense part alone
+        bound[name] = dense_part(bound[name])
+        bindings[name] = BlockBinding(model, bound[name], manifest.aliases)
     routing = ExpertRouting(model, manifest, per_expert, disk, device, host_experts)
 
     started = time.perf_counter()

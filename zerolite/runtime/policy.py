@@ -12,7 +12,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device, cuda_available, resolve
 
 OFFLOAD_CHOICES = ("nvme", "cpu", "none")
-EXPERTS_CHOICES = ("auto", "routed", "whole", "device", "cpu")
+EXPERTS_CHOICES = ("routed", "whole", "device", "cpu", "auto")
 
 
 @dataclass(frozen=True)

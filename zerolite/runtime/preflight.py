@@ -13,6 +13,7 @@ from zerolite.io.device import Device
 from zerolite.io.engine import supports_direct_io
 from zerolite.layout.folder import Layout
 from zerolite.quant.linear import dense_bytes, dequantize_workspace, keeps_dense
+from zerolite.runtime.budget import device_slot_bytes
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.resident import STAGING_BYTES
@@ -68,7 +69,8 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
         # Resident quantized weights kept dequantised, and a streamed one dequantised per call.
         kept = keeps_dense(device, policy.offload)
         dense = sum(dense_bytes(manifest, name) for name in plan.resident) if kept else 0
-        device_needed = resident + dense + policy.prefetch_depth * slot + dequantize_workspace(manifest)
+        ring = policy.prefetch_depth * device_slot_bytes(manifest, plan.streamed, policy)
+        device_needed = resident + dense + ring + dequantize_workspace(manifest)
         if device_needed > free:
             raise ZeroliteError(
                 f"this plan puts {device_needed / 1e9:.1f} GB on {device.name} but {free / 1e9:.1f} GB is free: "

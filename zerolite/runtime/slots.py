@@ -91,8 +91,9 @@ class Slots:
                  host_experts: frozenset[str] = frozenset()):
         """disk is None when no streamed block lives there: the slots then need no host buffers.
         per_expert names the blocks whose experts come apart from their dense part; cache keeps
-        experts read from disk across steps. device_bytes: each device buffer's size, where a
-        block laid out afresh there (zerolite.layout.placement) takes more than slot_bytes.
+        experts read from disk across steps. device_bytes: each device buffer's size (default
+        slot_bytes): a block laid out afresh there (zerolite.layout.placement) may take more, and
+        one whose experts the host computes takes its dense part alone.
         host_experts: those of per_expert whose experts the host computes, which never go to the device."""
         self.manifest = manifest
         self.disk = disk
@@ -111,7 +112,7 @@ class Slots:
         self._slots = [
             Slot(
                 host=device.pinned_empty(slot_bytes) if reads and not self.separate else None,
-                device=device.empty(max(slot_bytes, device_bytes or 0)) if self.separate else None,
+                device=device.empty(slot_bytes if device_bytes is None else device_bytes) if self.separate else None,
             )
             for _ in range(depth)
         ]
