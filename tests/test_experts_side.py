@@ -5,6 +5,7 @@ layers by the two sides' rates; the flags' bad values; and generate taking the p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -186,3 +187,33 @@ def test_generate_takes_the_plans_experts_for_auto_and_keeps_a_pinned_choice(mon
         _, pinned, _ = generate_command.plan_the_job(LoadSpec(model="m", device="cpu", experts="device"),
                                                      [Prompt()], 4, None)
         assert (pinned.experts, pinned.cpu_expert_layers) == ("device", None)
+
+
+def test_the_cpus_expert_rates_are_its_matmul_probes_recorded_once(tmp_path, monkeypatch):
+    """A GPU machine's CPU: the compute probe run on the CPU (nn.Linear and zerolite's int8/int4
+    kernels), recorded under the CPU's key as a plan for the CPU alone records it; its stored format
+    (the experts' in every layout) read as bytes per second at one row and FLOP/s at the most rows.
+    Given rates stand; a dense model or a machine without a GPU needs none."""
+    from zerolite.planner import cpu_experts
+    from zerolite.planner.hardware import Hardware
+
+    monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))
+    probed = []
+
+    def probe(device, dtype):
+        probed.append(device.name)
+        return {w: {1: 2e-11, 1024: 1e-13} for w in ("stored", "int8", "int4")}
+
+    monkeypatch.setattr(cpu_experts, "probe_compute", probe)
+    gpu = Hardware(gpu=True, gpu_ram=24 << 30, host_ram=1 << 40, disk_gbps=7.0, fill_gbps=7.0, h2d_gbps=25.0,
+                   gpu_tflops=165.0)
+    mixture = ModelCosts.from_config(AutoConfig.for_model(
+        "mixtral", hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, vocab_size=100), torch.bfloat16)
+    for _ in range(2):
+        rated = cpu_experts.with_cpu_experts(gpu, mixture, torch.bfloat16)
+        assert (rated.cpu_gbps, rated.cpu_tflops) == pytest.approx((2 / 2e-11 / 1e9, 2 * 1024 / 1e-13 / 1e12))
+    assert probed == ["cpu"] and rated.sources["cpu_experts"] == "this CPU's matmuls, recorded"
+    given = dataclasses.replace(gpu, cpu_gbps=300.0, cpu_tflops=5.0)
+    assert cpu_experts.with_cpu_experts(given, mixture, torch.bfloat16) == given
+    assert cpu_experts.with_cpu_experts(dataclasses.replace(gpu, gpu=False), mixture, torch.bfloat16).cpu_gbps is None

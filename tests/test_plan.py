@@ -198,7 +198,8 @@ PLANNER_PARTS = {
     "measure the disk": [("zerolite.planner.machine.measure_disk", None),
                          ("zerolite.planner.for_job.measure_disk", None)],
     "time this machine's matmuls": [("zerolite.planner.hardware.probe_compute", None)],
-    "weigh the plans": [("zerolite.planner.search.predict", None)],  # the cost model
+    "weigh the plans": [("zerolite.planner.search.predict", None),  # the cost model
+                        ("zerolite.planner.experts_side.predict", None)],
 }
 
 
