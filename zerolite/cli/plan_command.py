@@ -192,14 +192,15 @@ def experts_row(best, costs, hardware) -> str:
                 if not hardware.gpu else "every layer resident on the GPU, its experts with it")
     c = best.candidate
     streamed = costs.layers - c.gpu_layers
-    cpu = (f"the CPU at {hardware.cpu_gbps:.0f} GB/s and {hardware.cpu_tflops:g} TFLOPS "
-           f"({best.cpu_s:.3f} s a step, round trips included)")
+    cpu = f"the CPU at {hardware.cpu_gbps:.0f} GB/s and {hardware.cpu_tflops:g} TFLOPS"
+    share = f"({best.cpu_s:.3f} s a step, round trips included)"
     link = f"copied to the GPU at {hardware.h2d_gbps:.1f} GB/s"
     if where == "device":
-        return f"routed experts of all {streamed} streamed layers {link} (rather than computed by {cpu.split(' (')[0]})"
+        return f"routed experts of all {streamed} streamed layers {link} (rather than computed by {cpu})"
     if where == "cpu":
-        return f"routed experts of all {streamed} streamed layers computed by {cpu}; only their dense parts copied"
-    return (f"routed experts of {c.cpu_expert_layers} of the {streamed} streamed layers computed by {cpu}, "
+        return (f"routed experts of all {streamed} streamed layers computed by {cpu} {share}; only their dense "
+                "parts copied")
+    return (f"routed experts of {c.cpu_expert_layers} of the {streamed} streamed layers computed by {cpu} {share}, "
             f"the other {streamed - c.cpu_expert_layers} layers' {link}")
 
 

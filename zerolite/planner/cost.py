@@ -96,6 +96,8 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
     context = job.prompt_tokens + job.new_tokens / 2  # a decode step's, on average
     kv = b * (job.prompt_tokens + job.new_tokens) * costs.kv_bytes_per_token
 
+    dense_part = fmt.layer_bytes - costs.experts * fmt.expert_bytes  # a mixture's layer less its experts
+
     def step_bytes(tokens: int, guessed: bool = True) -> float:
         """Bytes a streamed layer moves for a forward over tokens tokens: a routed mixture's dense
         part, the experts its tokens pick, and (where the layer before guessed them) the guessed
@@ -150,9 +152,9 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         # The share of the streamed layers whose experts the CPU computes: their reads are the same,
         # their copies only the dense part, their experts' time the CPU's instead of the GPU's.
         on_cpu = c.cpu_expert_layers / streamed_layers if c.cpu_expert_layers else 0.0
-        copied = moved - on_cpu * (moved - (0 if kept else fmt.layer_bytes - costs.experts * fmt.expert_bytes))
-        cpu = c.cpu_expert_layers * cpu_layer_seconds(costs, hardware, rows) if on_cpu else 0.0
-        instead = on_cpu * (cpu / c.cpu_expert_layers - gpu_experts(rows)) if on_cpu else 0.0
+        copied = (1 - on_cpu) * moved + (0 if kept else on_cpu * dense_part)
+        one = cpu_layer_seconds(costs, hardware, rows) if on_cpu else 0.0
+        cpu, instead = c.cpu_expert_layers * one, on_cpu * (one - gpu_experts(rows)) if on_cpu else 0.0
         disk = disk_layers * moved / rate
         if costs.experts and disk_layers and not kept:
             # The first layer read from disk has no layer before it to guess its experts (nor to
@@ -199,7 +201,7 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
     # Where the CPU computes every streamed layer's experts, the GPU's slots hold dense parts alone
     # (zerolite.runtime.budget.device_slot_bytes); a split's must hold the other layers' experts too.
     every_on_cpu = streamed_layers and c.cpu_expert_layers == streamed_layers
-    ring_on_gpu = c.prefetch_depth * (fmt.layer_bytes - costs.experts * fmt.expert_bytes) if every_on_cpu else ring
+    ring_on_gpu = c.prefetch_depth * dense_part if every_on_cpu else ring
     activations = b * prefill_activation_bytes(costs.shape, job.prompt_tokens, costs.dtype)
     if hardware.gpu:
         gpu_bytes = int(fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) + ring_on_gpu
