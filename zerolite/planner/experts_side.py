@@ -21,7 +21,7 @@ from zerolite.planner.cost import Candidate, Job, Prediction, predict
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.model_costs import ModelCosts
 
-EXPERTS_PINS = ("auto", "device", "routed", "cpu")  # routed: device's other name, as generate takes it
+EXPERTS_PINS = ("auto", "device", "routed", "cpu")  # plan's: routed is device's other name, as generate takes it
 
 
 def experts_sides(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job, experts: str | None,
@@ -34,7 +34,7 @@ def experts_sides(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job,
     def on_cpu(count: int) -> Prediction:
         return predict(costs, hardware, dataclasses.replace(c, cpu_expert_layers=count), job)
 
-    if experts in ("device", "routed"):
+    if experts in ("device", "routed", "whole"):  # whole: every expert to the device (priced as routed)
         return [on_cpu(0)]
     if experts == "cpu":
         return [on_cpu(streamed if cpu_expert_layers is None else min(cpu_expert_layers, streamed))]
