@@ -60,13 +60,14 @@ def device_placement(entry: BlockEntry) -> Placement:
     """The block's tensors at TENSOR_ALIGNMENT on the device. Where they all are already (every
     converted layout), the bytes as read; else each tensor, in the order they were read, at the
     first aligned offset past the one before, a run of tensors that keeps its relative places
-    moved by one copy."""
+    moved by one copy. A mixture's experts (aligned in their extents, in place too) move as one
+    area, after the dense part laid out afresh."""
     if all(t.offset % TENSOR_ALIGNMENT == 0 for t in entry.tensors):
         return Placement(entry, (Move(0, 0, entry.length),))
     moves: list[Move] = []
     placed: dict[str, int] = {}
     end = 0
-    for tensor in sorted(entry.tensors, key=lambda t: t.offset):
+    for tensor in sorted((t for t in entry.tensors if not t.expert_stride), key=lambda t: t.offset):
         stays = tensor.offset % TENSOR_ALIGNMENT == 0 and tensor.offset >= end
         to = tensor.offset if stays else round_up(end, TENSOR_ALIGNMENT)
         last = moves[-1] if moves else None
@@ -77,5 +78,12 @@ def device_placement(entry: BlockEntry) -> Placement:
             moves.append(Move(tensor.offset, to, tensor.span))
         placed[tensor.name] = to
         end = to + tensor.span
+    area = entry.experts
+    if area is not None:
+        shift = max(align_up(end) - area.offset, 0)
+        moves.append(Move(area.offset, area.offset + shift, entry.length - area.offset))
+        placed.update((t.name, t.offset + shift) for t in entry.tensors if t.expert_stride)
+        area = dataclasses.replace(area, offset=area.offset + shift)
+        end = entry.length + shift
     tensors = tuple(dataclasses.replace(t, offset=placed[t.name]) for t in entry.tensors)
-    return Placement(dataclasses.replace(entry, tensors=tensors, length=align_up(end)), tuple(moves))
+    return Placement(dataclasses.replace(entry, tensors=tensors, length=align_up(end), experts=area), tuple(moves))

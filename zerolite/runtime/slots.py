@@ -434,8 +434,11 @@ class Slots:
         slot.copied = self._copy_moves(slot, placed.within(0, self._needed(slot.block)))
 
     def _copy_expert(self, slot: Slot, fetch: ExpertFetch):
-        """Queues the copy of one expert's bytes to the same place on the device, on the experts' stream."""
-        slot.experts_copied = self._copy_moves(slot, [Move(fetch.start, fetch.start, fetch.length)], self.expert_stream)
+        """Queues the copy of one expert's bytes to its place on the device (where the dense part
+        laid out afresh left the experts' area: zerolite.layout.placement), on the experts' stream."""
+        entry = self.manifest.block(slot.block)
+        to = fetch.start + device_placement(entry).entry.experts.offset - entry.experts.offset
+        slot.experts_copied = self._copy_moves(slot, [Move(fetch.start, to, fetch.length)], self.expert_stream)
         self.expert_bytes_copied += fetch.length
         return slot.experts_copied
 
