@@ -17,32 +17,31 @@ from transformers.core_model_loading import Transpose, WeightConverter
 import zerolite
 import zerolite.convert.in_place
 from support.helpers import greedy
-from support.simulated_device import SimulatedDevice
+from test_executor import reference_device
 from test_in_place import ROWS, files_under, streamed_in_place
 from test_moe import record_routing
 from zerolite.convert.checkpoint import Checkpoint, safetensors_header
 from zerolite.convert.in_place import NotInPlace, plan_in_place, record_checksums, write_in_place
 from zerolite.hf import keep_experts_implementation
-from zerolite.io.engine import ALIGNMENT, IoEngine
+from zerolite.io.engine import ALIGNMENT, IoEngine, aligned_empty
 from zerolite.layout.expert_parts import expert_read
 from zerolite.layout.folder import Layout, tensor_views
 from zerolite.layout.manifest import BlockEntry, ExpertArea, TensorEntry
 from zerolite.layout.placement import device_placement
 from zerolite.layout.store import DiskStore
 
-
 NEW_TOKENS = 3
 
 
-def reference(source):
+def reference(source, device: str = "cpu"):
     """transformers' tokens, its weights copied out of safetensors' mmap (where some CPU kernels
     round differently) and the experts' kernel kept as built, as zerolite keeps it."""
-    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    model = AutoModelForCausalLM.from_pretrained(source).eval().to(device)
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
     keep_experts_implementation(model)
-    return greedy(model, ROWS, NEW_TOKENS)
+    return greedy(model, ROWS, NEW_TOKENS, device=device).cpu()
 
 
 def test_the_tiny_checkpoints_store_experts_as_the_hub_does(make_source):
@@ -58,13 +57,15 @@ def test_the_tiny_checkpoints_store_experts_as_the_hub_does(make_source):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
-def test_each_expert_read_in_place_is_byte_for_byte_the_converted_layouts(make_source, make_layout, tmp_path, arch):
+def test_each_expert_read_in_place_is_byte_for_byte_the_converted_layouts(make_source, make_layout, tmp_path,
+                                                                        monkeypatch, arch):
     """Mixtral's gate_up_proj is w1 then w3 of the expert, with w2 between them in the shard: each
     expert's extent, read on its own, is placed as the converted layout holds it (the checksums
     `zerolite verify` records equal the converted layout's, padding included), its tensors
     transformers' own."""
     source = make_source(arch, layers=3)
     write_in_place(plan_in_place(Checkpoint.open(str(source), False), None), tmp_path)
+    monkeypatch.setattr("zerolite.layout.store.SCRATCH_LIMIT", 1)  # whole layers read an expert at a time
     record_checksums(Layout.open(tmp_path), show_progress=False)
     in_place, converted = Layout.open(tmp_path).manifest, Layout.open(make_layout(arch, layers=3))
     disk, converted_disk = DiskStore(Layout.open(tmp_path), IoEngine()), DiskStore(converted, IoEngine())
@@ -77,6 +78,10 @@ def test_each_expert_read_in_place_is_byte_for_byte_the_converted_layouts(make_s
         buffer = torch.zeros(block.length, dtype=torch.uint8)
         disk.wait(disk.submit(name, buffer[start:start + length], start, length))
         assert zlib.crc32(buffer[start:start + length].numpy()) == block.experts.crc32s[5]
+        cut = start + ALIGNMENT  # a layer read in two, cut inside an expert (as GPU staging does)
+        halves = aligned_empty(block.length)
+        disk.wait_all([disk.submit(name, halves, 0, cut), disk.submit(name, halves[cut:], cut, block.length - cut)])
+        assert zlib.crc32(halves.numpy()) == block.crc32
         views, expected = tensor_views(block, buffer), converted_disk.read(name)
         fused = [t.name for t in block.tensors if t.expert_stride]
         assert fused and all(torch.equal(views[n][5], expected[n][5]) for n in fused)
@@ -153,14 +158,15 @@ def test_a_fusion_that_is_not_a_placing_of_bytes_converts_with_one_line_saying_w
     assert len(notes) == 1 and "cannot stream in place: transformers changes model.layers.0.mlp.experts" in notes[0]
 
 
-def test_a_mixture_in_place_on_a_simulated_gpu_equals_transformers(make_source, tmp_path):
+@pytest.mark.cuda
+def test_a_mixture_in_place_on_a_gpu_equals_transformers(make_source, tmp_path, gpu):
     """Each routed expert copied to the device into its place in the slot, after the dense part
     laid out afresh at 256-byte offsets (the test below)."""
     source = make_source("mixtral", layers=3, hidden_size=72)
-    sim = SimulatedDevice(seed=4, reports_cuda=True)
-    with sim.watching(), streamed_in_place(source, tmp_path, device=sim) as lm:
+    device = reference_device(gpu)
+    with streamed_in_place(source, tmp_path, device=gpu) as lm:
         assert lm.per_expert
-        assert torch.equal(greedy(lm, ROWS, NEW_TOKENS), reference(source))
+        assert torch.equal(greedy(lm, ROWS, NEW_TOKENS, device=device).cpu(), reference(source, device))
 
 
 def test_on_a_device_the_experts_area_moves_after_a_dense_part_that_outgrows_it():

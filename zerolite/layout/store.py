@@ -167,10 +167,13 @@ class DiskStore:
                     landing.finished = max(landing.finished, finished)
                     landing.tickets.pop(0)
         if landing.scratch is not None:
+            # numpy's copy: one memcpy on this thread. torch's copy_ of bytes splits it over its
+            # OpenMP threads, which on a busy 2-core machine copied 4x slower (1.0 against 4.6 GB/s).
+            into, scratch = landing.into.numpy(), landing.scratch.numpy()
             for source, to, nbytes in landing.copies:
-                landing.into[to:to + nbytes].copy_(landing.scratch[source:source + nbytes])
+                into[to:to + nbytes] = scratch[source:source + nbytes]
             for low, high in landing.padding:
-                landing.into[low:high].zero_()
+                into[low:high] = 0
             self._release(landing)
         return True
 
