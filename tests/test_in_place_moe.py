@@ -56,35 +56,41 @@ def test_the_tiny_checkpoints_store_experts_as_the_hub_does(make_source):
     assert "model.layers.1.mlp.experts.gate_up_proj" in keys("gpt_oss")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
-def test_each_expert_read_in_place_is_byte_for_byte_the_converted_layouts(make_source, make_layout, tmp_path,
-                                                                        monkeypatch, arch):
-    """Mixtral's gate_up_proj is w1 then w3 of the expert, with w2 between them in the shard: each
-    expert's extent, read on its own, is placed as the converted layout holds it (the checksums
-    `zerolite verify` records equal the converted layout's, padding included), its tensors
-    transformers' own."""
-    source = make_source(arch, layers=3)
+# Mixtral's tiny tensors are 6144 bytes: each expert's lie at another offset within their pages, so
+# they are read through scratch; with intermediate_size 32 (8192 bytes) every expert's lie alike, and
+# their whole pages are read straight into the extent. gpt_oss's gate_up_proj slices alike, the rest not.
+@pytest.mark.parametrize("arch, config, direct", [("mixtral", {}, False), ("mixtral", dict(intermediate_size=32), True),
+                                                  ("gpt_oss", {}, True)])
+def test_each_expert_read_in_place_holds_the_converted_layouts_bytes(make_source, make_layout, tmp_path,
+                                                                     monkeypatch, arch, config, direct):
+    """Mixtral's gate_up_proj is w1 then w3 of the expert, with w2 between them in the shard: every
+    expert's slices read in place, a layer whole (one expert at a time through scratch) or an
+    expert alone, are the converted layout's (transformers' own); `zerolite verify` records each
+    expert's checksum, which reading it alone or the layer cut inside an expert matches."""
+    source = make_source(arch, layers=3, **config)
     write_in_place(plan_in_place(Checkpoint.open(str(source), False), None), tmp_path)
     monkeypatch.setattr("zerolite.layout.store.SCRATCH_LIMIT", 1)  # whole layers read an expert at a time
     record_checksums(Layout.open(tmp_path), show_progress=False)
-    in_place, converted = Layout.open(tmp_path).manifest, Layout.open(make_layout(arch, layers=3))
+    in_place, converted = Layout.open(tmp_path).manifest, Layout.open(make_layout(arch, layers=3, **config))
     disk, converted_disk = DiskStore(Layout.open(tmp_path), IoEngine()), DiskStore(converted, IoEngine())
     for name in in_place.layer_names:
         block = in_place.block(name)
-        assert block.experts.crc32s == converted.manifest.block(name).experts.crc32s
-        reads = len(expert_read(block.experts.sources, 0, block.experts.stride).reads)
-        assert reads == 1 if arch == "mixtral" else reads > 1  # w1, w2, w3 side by side; a slice of each tensor
+        whole, expected = disk.read(name), converted_disk.read(name)  # read() checks the block's checksum
+        fused = [t.name for t in block.tensors if t.expert_stride]
+        assert fused and all(torch.equal(whole[n], expected[n]) for n in fused)
+        plan = expert_read(block.experts.sources, 5, block.experts.stride, direct=True)
+        assert bool(plan.direct) == direct
+        if arch == "mixtral" and not direct:
+            assert len(plan.reads) == 1  # w1, w2, w3 side by side
         start, length = block.experts.extent(5)
-        buffer = torch.zeros(block.length, dtype=torch.uint8)
+        buffer = aligned_empty(block.length)
         disk.wait(disk.submit(name, buffer[start:start + length], start, length))
         assert zlib.crc32(buffer[start:start + length].numpy()) == block.experts.crc32s[5]
+        assert all(torch.equal(tensor_views(block, buffer)[n][5], expected[n][5]) for n in fused)
         cut = start + ALIGNMENT  # a layer read in two, cut inside an expert (as GPU staging does)
         halves = aligned_empty(block.length)
         disk.wait_all([disk.submit(name, halves, 0, cut), disk.submit(name, halves[cut:], cut, block.length - cut)])
         assert zlib.crc32(halves.numpy()) == block.crc32
-        views, expected = tensor_views(block, buffer), converted_disk.read(name)
-        fused = [t.name for t in block.tensors if t.expert_stride]
-        assert fused and all(torch.equal(views[n][5], expected[n][5]) for n in fused)
 
 
 def engine_reads(monkeypatch) -> list[tuple[str, int, int]]:
@@ -117,8 +123,9 @@ def test_a_mixture_streams_in_place_per_expert_with_transformers_tokens(make_sou
         assert lm.per_expert == frozenset(b.name for b in blocks) and len(blocks) >= 2
 
         def expert_reads(block, expert):
-            plan = expert_read(block.experts.sources, expert, block.experts.stride)
-            return [(manifest.shards[shard].path, offset, nbytes) for shard, offset, nbytes in plan.reads]
+            plan = expert_read(block.experts.sources, expert, block.experts.stride, direct=True)
+            reads = [(shard, offset, nbytes) for shard, offset, nbytes, _ in plan.direct] + list(plan.reads)
+            return [(manifest.shards[shard].path, offset, nbytes) for shard, offset, nbytes in reads]
 
         planned = {read for block in blocks for expert in range(block.experts.count)
                    for read in expert_reads(block, expert)}
@@ -160,13 +167,19 @@ def test_a_fusion_that_is_not_a_placing_of_bytes_converts_with_one_line_saying_w
 
 @pytest.mark.cuda
 def test_a_mixture_in_place_on_a_gpu_equals_transformers(make_source, tmp_path, gpu):
-    """Each routed expert copied to the device into its place in the slot, after the dense part
-    laid out afresh at 256-byte offsets (the test below)."""
-    source = make_source("mixtral", layers=3, hidden_size=72)
+    """Each routed expert copied to the device into its place in the slot: its slices, which lie
+    in their extents as in their pages of the shards (read there directly, at offsets of 16 to 144
+    in 256 here), each copied to a 256-byte offset (test_in_place has every tensor bound there)."""
+    source = make_source("mixtral", layers=3, hidden_size=72, intermediate_size=128)  # 36 kB, 9 pages a tensor
     device = reference_device(gpu)
     with streamed_in_place(source, tmp_path, device=gpu) as lm:
         assert lm.per_expert
+        addresses = []
+        for layer in lm.model.get_submodule(lm.layout.manifest.layers_path):  # after zerolite's hook binds it
+            layer.register_forward_pre_hook(lambda module, args: addresses.extend(
+                p.data_ptr() for p in module.mlp.experts.parameters()))
         assert torch.equal(greedy(lm, ROWS, NEW_TOKENS, device=device).cpu(), reference(source, device))
+    assert addresses and not [address % 256 for address in addresses if address % 256]
 
 
 def test_on_a_device_the_experts_area_moves_after_a_dense_part_that_outgrows_it():
