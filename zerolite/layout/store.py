@@ -123,15 +123,15 @@ class DiskStore:
                 landing.copies.append((source + low - extent - to, low, high - low))
         landing.padding = [(max(extent + a, 0), min(extent + b, length)) for a, b in plan.padding
                            if extent + a < length and extent + b > 0]
-        shards = self.layout.manifest.shards
+        reads, at = [], 0
         for shard, offset, nbytes, to in plan.direct:
-            landing.tickets += self._read(shards[shard].path, shards[shard].size, offset,
-                                          buffer[extent + to:extent + to + nbytes])
-        at = 0
+            reads.append((shard, offset, buffer[extent + to:extent + to + nbytes]))
         for shard, offset, nbytes in plan.reads:
-            landing.tickets += self._read(shards[shard].path, shards[shard].size, offset,
-                                          landing.scratch[at:at + nbytes])
+            reads.append((shard, offset, landing.scratch[at:at + nbytes]))
             at += nbytes
+        shards = self.layout.manifest.shards
+        for shard, offset, into in sorted(reads, key=lambda read: read[:2]):  # in file order: a disk reads ahead
+            landing.tickets += self._read(shards[shard].path, shards[shard].size, offset, into)
         if landing.scratch is not None:
             self._in_flight.append(landing)
         return landing
