@@ -6,10 +6,11 @@ KiB-aligned pieces (usually one per shard it touches), its tensors taken as view
 in them. What is written is a small manifest (zerolite.layout.manifest, `shards` set) in a folder
 of its own.
 
-A mixture's layers keep their experts per expert, as a converted layout does: each expert's
-extent is made, as it is read, from the parts of the checkpoint's per-expert tensors that
-transformers fuses into the module's tensors (zerolite.convert.in_place_experts), so that a step
-reads only the experts its router picks.
+A mixture's layers keep their experts in extents of their own, as a converted layout does: each
+expert's extent is made, as it is read, from the parts of the checkpoint's per-expert tensors that
+transformers fuses into the module's tensors, its whole pages read straight into place where they
+lie there as in the shards (zerolite.convert.in_place_experts), so that a step reads only the
+experts its router picks, and no byte twice. (NotInPlace is defined there.)
 
 Not every checkpoint can run so; plan_in_place raises NotInPlace with the reason, and the caller
 converts instead:
