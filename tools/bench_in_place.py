@@ -4,6 +4,13 @@ speed, first token and what each writes. Run as root (the page cache is dropped 
     python tools/bench_in_place.py --source build/llama19/source --layout build/llama19/layout \
         [--batch-size 16] [--new-tokens 8] [--rounds 3] [--scratch DIR] [--json out.json]
 
+A mixture of experts: --make-mixture builds a missing --source (tools/bench_moe.py's 1.94 GB bf16
+Mixtral-shaped model, saved as transformers saves it: one tensor per expert and matrix, as the hub's
+Mixtral checkpoints are) and converts a missing --layout from it; both then stream per expert, only
+the experts the router picks read (in place, each from its parts of the shards).
+
+    python tools/bench_in_place.py --source build/mixtral2g/source --layout build/mixtral2g/layout --make-mixture
+
 1. first token, each from nothing: convert into a fresh layout then generate (convert-first), and
    plan in place into a fresh folder then generate (in-place); ready + prefill, from process start,
    and the part that differs: converting, or planning in place (the rest, the interpreter, imports,
@@ -61,8 +68,15 @@ def main() -> None:
     parser.add_argument("--scratch", default=None, help="where the fresh layouts go (default: beside --layout)")
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--make-mixture", action="store_true",
+                        help="build a missing --source as tools/bench_moe.py's Mixtral-shaped model, and its --layout")
     args = parser.parse_args()
-    args.device, args.gguf_folder = "cpu", ""
+    if args.make_mixture:
+        from bench_moe import MODEL_CONFIG
+        from models import make_model
+
+        make_model(Path(args.source), "mixtral", MODEL_CONFIG, {Path(args.layout): {}})
+    args.device, args.gguf_folder, args.llamacpp_plain, args.llamacpp_in_ram = "cpu", "", False, False
     for scheme in QUANTIZED:
         setattr(args, f"{scheme}_layout", args.layout)
     console = Console(width=None if sys.stdout.isatty() else 160)

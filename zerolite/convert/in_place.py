@@ -6,10 +6,17 @@ KiB-aligned pieces (usually one per shard it touches), its tensors taken as view
 in them. What is written is a small manifest (zerolite.layout.manifest, `shards` set) in a folder
 of its own.
 
+A mixture's layers keep their experts in extents of their own, as a converted layout does: each
+expert's extent is made, as it is read, from the parts of the checkpoint's per-expert tensors that
+transformers fuses into the module's tensors, its whole pages read straight into place where they
+lie there as in the shards (zerolite.convert.in_place_experts), so that a step reads only the
+experts its router picks, and no byte twice. (NotInPlace is defined there.)
+
 Not every checkpoint can run so; plan_in_place raises NotInPlace with the reason, and the caller
 converts instead:
-- transformers changes a tensor while loading it (a mixture's per-expert weights fused into one,
-  a transposition): the stored bytes are not the module's;
+- transformers changes a tensor while loading it other than by joining experts' tensors (a
+  transposition, a split; or a fused tensor of experts that do not take their routing): the stored
+  bytes are not the module's;
 - a tensor's dtype is not the run's (the dtype must change);
 - a block's tensors lie so far apart that reading them whole would waste more than WASTE_LIMIT;
 - a tensor's offset is not a multiple of its element size (no view can start there).
@@ -27,14 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, rename_source_key
 
 from zerolite.convert.checkpoint import SAFETENSORS_DTYPES, Checkpoint, safetensors_header
+from zerolite.convert.extents import routed_experts
+from zerolite.convert.in_place_experts import FusedParts, NotInPlace, expert_area
 from zerolite.convert.writer import write_atomically
 from zerolite.errors import ZeroliteError
 from zerolite.hf import build_meta_model
 from zerolite.io.engine import ALIGNMENT, IoEngine, align_up, aligned_empty
-from zerolite.layout.blocks import BlockSpec, partition
+from zerolite.layout.blocks import BlockSpec, module_path, partition, stored_tensors
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import (
     DTYPES,
@@ -56,10 +65,6 @@ GAP_READ_THROUGH = ALIGNMENT  # tensors closer than a page share a read (its pag
                               # a head whose norm lies after the layers), each run is a read of its own
 
 
-class NotInPlace(Exception):
-    """The checkpoint cannot be streamed where it lies; the message says why."""
-
-
 @dataclass(frozen=True)
 class Stored:
     """Where one of the module's tensors lies in the shards."""
@@ -78,8 +83,13 @@ def plan_in_place(checkpoint: Checkpoint, dtype: str | None) -> Manifest:
     torch_dtype = choose_dtype(dtype, config)
     model = build_meta_model(config, torch_dtype)
     blocks = partition(model)
-    stored = locate_tensors(checkpoint, model, blocks)
-    entries = tuple(place_block(spec, stored) for spec in blocks.blocks)
+    stored, fused = locate_tensors(checkpoint, model, blocks)
+    tensors = stored_tensors(model)
+    entries = tuple(place_layer(model, tensors, blocks.layers_path, spec, stored, fused) for spec in blocks.blocks)
+    unplaced = set(fused.sources).difference(t.name for block in entries for t in block.tensors)
+    if unplaced:  # fused into experts that are not called with their routing: no extents of their own
+        target = min(unplaced)
+        raise NotInPlace(f"transformers changes {fused.keys[target]} while loading it (fused into {target})")
     shards = tuple(Shard(str(path), (stat := os.stat(path)).st_size, stat.st_mtime_ns)
                    for path in checkpoint.weight_files)
     return Manifest(model_type=config.model_type, dtype=dtype_name(torch_dtype), layers_path=blocks.layers_path,
@@ -87,14 +97,16 @@ def plan_in_place(checkpoint: Checkpoint, dtype: str | None) -> Manifest:
                     source={"model": str(checkpoint.folder), "fingerprint": checkpoint.fingerprint()}, shards=shards)
 
 
-def locate_tensors(checkpoint: Checkpoint, model, blocks) -> dict[str, Stored]:
+def locate_tensors(checkpoint: Checkpoint, model, blocks) -> tuple[dict[str, Stored], FusedParts]:
     """Each stored module tensor's place in the shards, under the module's name, as transformers'
-    loading would name it; NotInPlace where loading would change its bytes."""
+    loading would name it; and the experts' tensors loading fuses into one (FusedParts).
+    NotInPlace where loading would change their bytes otherwise."""
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     meta_state = model.state_dict()
     stored: dict[str, Stored] = {}
+    fused = FusedParts()
     for index, path in enumerate(checkpoint.weight_files):
         data_start, header = safetensors_header(path)
         for key, info in header.items():
@@ -104,18 +116,37 @@ def locate_tensors(checkpoint: Checkpoint, model, blocks) -> dict[str, Stored]:
             target = blocks.aliases.get(target, target)
             if blocks.block_of(target) is None or target in stored:  # not the model's, or a tied copy
                 continue
-            if converter is not None:
-                raise NotInPlace(f"transformers changes {key} while loading it ({converter} into {target})")
             expected = meta_state[target]
             found = SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"])
             if found != dtype_name(expected.dtype):
                 raise NotInPlace(f"{key} is stored as {found}, and the run uses {dtype_name(expected.dtype)}")
+            begin, end = info["data_offsets"]
+            here = Stored(index, data_start + begin, end - begin, found, tuple(info["shape"]))
+            if converter is not None:
+                fused.add(key, apply_renamings(key, renamings), target, converters, here)
+                continue
             if tuple(info["shape"]) != tuple(expected.shape):
                 raise NotInPlace(f"{key} has shape {tuple(info['shape'])}, "
                                  f"the model's {target} {tuple(expected.shape)}")
-            begin, end = info["data_offsets"]
-            stored[target] = Stored(index, data_start + begin, end - begin, found, tuple(info["shape"]))
-    return stored
+            stored[target] = here
+    return stored, fused
+
+
+def place_layer(model, tensors: dict, layers_path: str, spec: BlockSpec, stored: dict[str, Stored],
+                fused: FusedParts) -> BlockEntry:
+    """The block as pieces of the shards (place_block); a layer whose experts take their routing,
+    its experts apart after them, one extent each (zerolite.convert.in_place_experts). tensors:
+    the meta model's stored tensors, by name."""
+    experts = routed_experts(model, layers_path, spec.name)
+    prefix = f"{module_path(layers_path, spec.name)}.{experts.path}." if experts else None
+    apart = [name for name in spec.tensor_names if prefix and name.startswith(prefix)]
+    if not apart:
+        return place_block(spec, stored)
+    dense = place_block(BlockSpec(spec.name, tuple(n for n in spec.tensor_names if n not in apart)), stored)
+    area, entries, length = expert_area({name: tensors[name] for name in apart}, dense.length, experts.count,
+                                        stored, fused, experts.path)
+    return dataclasses.replace(dense, length=dense.length + length, tensors=dense.tensors + tuple(entries),
+                               experts=area)
 
 
 def place_block(spec: BlockSpec, stored: dict[str, Stored]) -> BlockEntry:
@@ -175,6 +206,11 @@ def record_checksums(layout: Layout, show_progress: bool = True) -> None:
     with byte_progress("hashing", manifest.data_bytes, len(manifest.blocks), show_progress) as progress:
         for block in manifest.blocks:
             disk.wait(disk.submit(block.name, buffer))
-            blocks.append(dataclasses.replace(block, crc32=zlib.crc32(buffer[:block.length].numpy())))
+            data = buffer[:block.length].numpy()
+            area = block.experts
+            if area is not None:  # its dense part and each expert are read, and checked, apart too
+                area = dataclasses.replace(area, dense_crc32=zlib.crc32(data[:area.offset]), crc32s=tuple(
+                    zlib.crc32(data[start:start + length]) for start, length in map(area.extent, range(area.count))))
+            blocks.append(dataclasses.replace(block, crc32=zlib.crc32(data), experts=area))
             progress.advance(block.length)
     write_in_place(dataclasses.replace(manifest, blocks=tuple(blocks)), layout.folder)

@@ -5,9 +5,11 @@
       weights.bin        every block as one 4 KiB-aligned extent, in execution order
       config.json ...    the model's config, generation config and tokenizer files
 
-A layout in place (zerolite.layout.in_place) is manifest.json alone: its blocks are pieces of the
+A layout in place (zerolite.convert.in_place) is manifest.json alone: its blocks are pieces of the
 checkpoint's own safetensors shards (the shards' sizes and times recorded, so that a changed shard
-is refused), and the config and tokenizer are read from the checkpoint's folder.
+is refused), and the config and tokenizer are read from the checkpoint's folder. A mixture's layer
+in place keeps its experts per expert as a converted layout does, each expert's extent made from
+the parts of the checkpoint's tensors that transformers fuses into it (ExpertSources).
 
 Everything read from manifest.json is validated before use: names are plain dotted identifiers,
 the data file stays inside the layout folder, and every extent lies inside its file.
@@ -65,6 +67,20 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class ExpertSources:
+    """In place: where each expert's extent comes from in the shards. A checkpoint stores a
+    mixture's experts one tensor per expert and matrix (Mixtral's experts.N.w1, w2, w3), which
+    transformers stacks and concatenates into the fused tensors the module has (gate_up_proj is
+    w1 then w3 along the rows, per expert): every expert's extent holds the same parts, each a
+    run of bytes of one checkpoint tensor, at the same places; only where they lie in the
+    shards differs from expert to expert."""
+    places: tuple[int, ...]                # per part: bytes from the start of an expert's extent
+    lengths: tuple[int, ...]               # per part: bytes
+    shards: tuple[tuple[int, ...], ...]    # per expert, per part: index into Manifest.shards
+    offsets: tuple[tuple[int, ...], ...]   # per expert, per part: bytes from the start of that shard
+
+
+@dataclass(frozen=True)
 class ExpertArea:
     """The tail of a layer's block where a mixture's experts lie, one 4 KiB-aligned extent each,
     holding that expert's slice of every fused expert tensor: a step reads only the experts its
@@ -74,8 +90,9 @@ class ExpertArea:
     offset: int                 # bytes from the start of the block to expert 0's extent
     stride: int                 # bytes per expert extent
     count: int
-    dense_crc32: int            # of the bytes before offset
-    crc32s: tuple[int, ...]     # of each expert's extent
+    dense_crc32: int | None     # of the bytes before offset (None in place until `zerolite verify`)
+    crc32s: tuple[int | None, ...]  # of each expert's extent (likewise)
+    sources: ExpertSources | None = None  # in place: where the experts' bytes lie in the shards
 
     def extent(self, expert: int) -> tuple[int, int]:
         """(start in the block, length) of one expert's bytes."""
@@ -121,7 +138,11 @@ class BlockEntry:
         tensors = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"])
         experts = raw.get("experts")
         if experts is not None:
-            experts = ExpertArea(**{**experts, "crc32s": tuple(experts["crc32s"])})
+            sources = experts.get("sources")
+            if sources is not None:
+                sources = ExpertSources(tuple(sources["places"]), tuple(sources["lengths"]),
+                                        tuple(map(tuple, sources["shards"])), tuple(map(tuple, sources["offsets"])))
+            experts = ExpertArea(**{**experts, "crc32s": tuple(experts["crc32s"]), "sources": sources})
         pieces = tuple(Piece(**piece) for piece in raw.get("pieces", ()))
         return cls(**{**raw, "tensors": tensors, "experts": experts, "pieces": pieces})
 
@@ -221,7 +242,8 @@ class Manifest:
                 area = block.experts
                 if (not NAME.fullmatch(area.module) or area.offset % ALIGNMENT or area.stride % ALIGNMENT
                         or area.count < 1 or len(area.crc32s) != area.count
-                        or area.offset + area.count * area.stride != block.length):
+                        or area.offset + area.count * area.stride != block.length
+                        or (area.sources is not None) != self.in_place):
                     raise ValueError(f"block {block.name} has a bad expert area")
         if not self.in_place and any(block.crc32 is None for block in self.blocks):
             raise ValueError("a converted block has no checksum")
@@ -231,13 +253,29 @@ class Manifest:
                 raise ValueError(f"alias {alias!r} points at {target!r}, which is not stored")
 
     def _validate_pieces(self, block: BlockEntry) -> None:
-        """A block in place: aligned pieces of recorded shards, as many bytes as the block has."""
-        if block.experts is not None or not block.pieces or block.length != sum(p.length for p in block.pieces):
+        """A block in place: aligned pieces of recorded shards, as many bytes as the block has
+        before its experts; each expert's parts inside its extent and inside their shards."""
+        dense = sum(p.length for p in block.pieces)
+        if not block.pieces or block.dense_length != dense:
             raise ValueError(f"block {block.name} has bad pieces")
         for piece in block.pieces:
             if (not 0 <= piece.shard < len(self.shards) or piece.offset % ALIGNMENT or piece.length % ALIGNMENT
                     or piece.length <= 0 or piece.offset + piece.length > align_up(self.shards[piece.shard].size)):
                 raise ValueError(f"block {block.name} has a piece outside its shard")
+        sources = block.experts.sources if block.experts is not None else None
+        if sources is None:
+            return
+        parts = len(sources.places)
+        if (len(sources.lengths) != parts or len(sources.shards) != block.experts.count
+                or len(sources.offsets) != block.experts.count
+                or any(place < 0 or length <= 0 or place + length > block.experts.stride
+                       for place, length in zip(sources.places, sources.lengths))):
+            raise ValueError(f"block {block.name} has bad expert sources")
+        for shards, offsets in zip(sources.shards, sources.offsets):
+            if len(shards) != parts or len(offsets) != parts or any(
+                    not 0 <= shard < len(self.shards) or offset < 0 or offset + length > self.shards[shard].size
+                    for shard, offset, length in zip(shards, offsets, sources.lengths)):
+                raise ValueError(f"block {block.name} has an expert part outside its shard")
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:

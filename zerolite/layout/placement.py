@@ -25,7 +25,7 @@ import functools
 from dataclasses import dataclass
 
 from zerolite.io.engine import align_up
-from zerolite.layout.manifest import TENSOR_ALIGNMENT, BlockEntry, round_up
+from zerolite.layout.manifest import TENSOR_ALIGNMENT, BlockEntry, ExpertArea, round_up
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,14 @@ def device_placement(entry: BlockEntry) -> Placement:
     """The block's tensors at TENSOR_ALIGNMENT on the device. Where they all are already (every
     converted layout), the bytes as read; else each tensor, in the order they were read, at the
     first aligned offset past the one before, a run of tensors that keeps its relative places
-    moved by one copy."""
+    moved by one copy. A mixture's experts come after the dense part laid out afresh
+    (experts_placed)."""
     if all(t.offset % TENSOR_ALIGNMENT == 0 for t in entry.tensors):
         return Placement(entry, (Move(0, 0, entry.length),))
     moves: list[Move] = []
     placed: dict[str, int] = {}
     end = 0
-    for tensor in sorted(entry.tensors, key=lambda t: t.offset):
+    for tensor in sorted((t for t in entry.tensors if not t.expert_stride), key=lambda t: t.offset):
         stays = tensor.offset % TENSOR_ALIGNMENT == 0 and tensor.offset >= end
         to = tensor.offset if stays else round_up(end, TENSOR_ALIGNMENT)
         last = moves[-1] if moves else None
@@ -77,8 +78,37 @@ def device_placement(entry: BlockEntry) -> Placement:
             moves.append(Move(tensor.offset, to, tensor.span))
         placed[tensor.name] = to
         end = to + tensor.span
-    tensors = tuple(dataclasses.replace(t, offset=placed[t.name]) for t in entry.tensors)
-    return Placement(dataclasses.replace(entry, tensors=tensors, length=align_up(end)), tuple(moves))
+    area = entry.experts
+    if area is not None:
+        area, expert_moves, end = experts_placed(entry, align_up(end), placed)
+        moves += expert_moves
+    tensors = tuple(dataclasses.replace(t, offset=placed[t.name], expert_stride=t.expert_stride and area.stride)
+                    for t in entry.tensors)
+    return Placement(dataclasses.replace(entry, tensors=tensors, length=align_up(end), experts=area), tuple(moves))
+
+
+def experts_placed(entry: BlockEntry, start: int, placed: dict[str, int]) -> tuple[ExpertArea, list[Move], int]:
+    """The experts' area on the device from start (4 KiB aligned) on, or where it was read if later:
+    moved whole where its tensors lie at TENSOR_ALIGNMENT in their extents (every converted layout's),
+    else each extent laid out afresh, one copy per expert and tensor (in place, a slice lies in its
+    extent as in its pages of the shards, so that it is read there directly); fills placed with
+    their offsets; returns the area, the moves and the end."""
+    area = entry.experts
+    fused = sorted((t for t in entry.tensors if t.expert_stride), key=lambda t: t.offset)
+    offset = max(start, area.offset)
+    if all((t.offset - area.offset) % TENSOR_ALIGNMENT == 0 for t in fused):
+        placed.update((t.name, t.offset - area.offset + offset) for t in fused)
+        moves = [Move(area.offset, offset, area.count * area.stride)]
+        return dataclasses.replace(area, offset=offset), moves, offset + area.count * area.stride
+    places, cursor = {}, 0
+    for t in fused:
+        places[t.name] = cursor = round_up(cursor, TENSOR_ALIGNMENT)
+        cursor += t.nbytes // t.shape[0]
+    stride = align_up(cursor)
+    placed.update((t.name, offset + places[t.name]) for t in fused)
+    moves = [Move(t.offset + expert * area.stride, offset + expert * stride + places[t.name], t.nbytes // t.shape[0])
+             for expert in range(area.count) for t in fused]
+    return dataclasses.replace(area, offset=offset, stride=stride), moves, offset + area.count * stride
 
 
 def dense_part(entry: BlockEntry) -> BlockEntry:

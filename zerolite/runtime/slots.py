@@ -435,8 +435,10 @@ class Slots:
         slot.copied = self._copy_moves(slot, placed.within(0, self._needed(slot.block)))
 
     def _copy_expert(self, slot: Slot, fetch: ExpertFetch):
-        """Queues the copy of one expert's bytes to the same place on the device, on the experts' stream."""
-        slot.experts_copied = self._copy_moves(slot, [Move(fetch.start, fetch.start, fetch.length)], self.expert_stream)
+        """Queues the copy of one expert's bytes to their place on the device (zerolite.layout.placement:
+        after the dense part laid out afresh, its tensors at 256-byte offsets), on the experts' stream."""
+        moves = device_placement(self.manifest.block(slot.block)).within(fetch.start, fetch.length)
+        slot.experts_copied = self._copy_moves(slot, moves, self.expert_stream)
         self.expert_bytes_copied += fetch.length
         return slot.experts_copied
 
