@@ -17,6 +17,7 @@ from transformers.core_model_loading import Transpose, WeightConverter
 import zerolite
 import zerolite.convert.in_place
 from support.helpers import greedy
+from support.simulated_device import SimulatedDevice
 from test_executor import reference_device
 from test_in_place import ROWS, files_under, streamed_in_place
 from test_moe import record_routing
@@ -179,6 +180,18 @@ def test_a_mixture_in_place_on_a_gpu_equals_transformers(make_source, tmp_path, 
                 p.data_ptr() for p in module.mlp.experts.parameters()))
         assert torch.equal(greedy(lm, ROWS, NEW_TOKENS, device=device).cpu(), reference(source, device))
     assert addresses and not [address % 256 for address in addresses if address % 256]
+
+
+def test_experts_on_the_cpu_from_a_mixture_in_place_cross_no_link(make_source, tmp_path):
+    """`experts` cpu over a checkpoint in place, on the simulated device: the host computes the routed
+    experts it read from the shards, the slots take none of their bytes, and the tokens are
+    transformers'."""
+    source = make_source("deepseek_v3", layers=3)
+    sim = SimulatedDevice(seed=7, max_delay_s=2e-4)
+    with sim.watching(), streamed_in_place(source, tmp_path, device=sim, experts="cpu", prefetch_depth=2) as lm:
+        assert lm.host_experts == lm.per_expert and lm.per_expert
+        assert torch.equal(greedy(lm, ROWS, NEW_TOKENS).cpu(), reference(source))
+        assert lm.executor.slots.expert_bytes_copied == 0
 
 
 def test_on_a_device_the_experts_area_moves_after_a_dense_part_that_outgrows_it():
