@@ -85,8 +85,18 @@ def test_each_prompt_gets_its_tokens_alone_and_a_finished_prompts_place_is_taken
     assert len(handed) > 1  # handed on as they were ready, not once at the end
 
 
-def test_static_and_continuous_write_the_same_file_and_a_resumed_run_completes_it(capsys, monkeypatch, tmp_path,
-                                                                                   make_layout):
+def test_prompts_prefilled_apart_merge_into_a_kv_cache_partly_in_host_memory(make_layout, source):
+    """--kv-offload: half the layers' K/V in host buffers, which a merge must widen and join too."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    lines = prompts()[:4]
+    got = []
+    with zerolite.load(make_layout("llama"), device="cpu", kv_offload=0.5, show_progress=False) as lm:
+        generate_all(lm, lines, Sampling(), 2, got.extend, show_progress=False, batching="continuous")
+    assert [c.token_ids for c in got] == [new_tokens_alone(model, list(p.input_ids), p.max_new_tokens) for p in lines]
+
+
+def test_a_run_resumed_continuously_completes_a_static_runs_file_line_for_line(capsys, monkeypatch, tmp_path,
+                                                                               make_layout):
     lines = [{"id": p.id, "input_ids": list(p.input_ids), "max_new_tokens": p.max_new_tokens} for p in prompts()]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
@@ -98,8 +108,7 @@ def test_static_and_continuous_write_the_same_file_and_a_resumed_run_completes_i
         return output.read_text()
 
     static = generate(tmp_path / "static.jsonl", "--batching", "static")
-    assert generate(tmp_path / "continuous.jsonl") == static  # continuous by default
-    # a run killed after the first four lines: the rerun does the rest, in order
+    # a run killed after the first four lines: the rerun (continuous by default) does the rest, in order
     resumed = tmp_path / "resumed.jsonl"
     resumed.write_text("".join(static.splitlines(keepends=True)[:4]))
     assert generate(resumed) == static

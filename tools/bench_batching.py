@@ -4,9 +4,11 @@ batchings at the same batch size on the same loaded model, greedy.
 
     python tools/bench_batching.py [--prompts 64] [--batch-size 8] [--offload cpu] [--json out.json]
 
-The model is a small random Llama (tools/models.py, bf16, peaked: greedy tokens that batches of other
-shapes do not overturn; built once under build/batching/), its layers streamed from host memory
-(--offload cpu) or from its layout on disk (--offload nvme, every layer read per step). Prints each
+The model is a small random Llama (tools/models.py, built once under build/batching/) in a layout
+of --dtype fp32 (by default: in bf16 the sums of a batch of another shape round differently, and a
+random model's nearly equal logits then tip greedy decoding to other tokens, in either batching),
+its layers streamed from host memory (--offload cpu) or from disk (--offload nvme, every layer read
+per step). Prints each
 batching's new tokens, wall time (prefill included), tokens/s and forwards, their ratio, and
 whether every id's completion is the same in both files.
 """
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("--longest", type=int, default=256, help="the most new tokens a line asks for")
     parser.add_argument("--offload", choices=("cpu", "nvme"), default="cpu",
                         help="cpu: the layers streamed from host memory; nvme: every layer read from disk per step")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the layout's")
     parser.add_argument("--build", type=Path, default=BUILD, help="where the model, its layout and the files go")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args()
@@ -58,12 +61,12 @@ def main() -> None:
     from zerolite.generate.job import generate_file
     from zerolite.sampling import Sampling
 
-    source, layout = args.build / "source", args.build / "layout"
-    make_model(source, "llama", MODEL_CONFIG, {layout: {}}, peaked=True)
+    source, layout = args.build / "source", args.build / f"layout-{args.dtype}"
+    make_model(source, "llama", MODEL_CONFIG, {layout: {"dtype": args.dtype}})
     prompts = args.build / "prompts.jsonl"
     counts = prompts_file(prompts, args.prompts, args.shortest, args.longest, seed=1)
     memory = {"cpu_memory": 0} if args.offload == "nvme" else {}
-    report = {"prompts": args.prompts, "batch_size": args.batch_size, "offload": args.offload,
+    report = {"prompts": args.prompts, "batch_size": args.batch_size, "offload": args.offload, "dtype": args.dtype,
               "asked_new_tokens": sum(counts), "model": MODEL_CONFIG}
     with zerolite.load(str(layout), offload=args.offload, device="cpu", show_progress=False, **memory) as lm:
         for batching in ("static", "continuous"):

@@ -17,7 +17,7 @@ from zerolite.generate.prompts import Completion, Prompt
 from zerolite.generate.sequences import completion, sequence_for
 from zerolite.generate.stats import RunStats
 from zerolite.sampling import Sampling
-from zerolite.serve.decoder import Decoder
+from zerolite.serve.decoder import Advance, Decoder
 from zerolite.text import end_token_ids
 
 
@@ -45,17 +45,16 @@ def run_continuous(lm, prompts: list[Prompt], encoded: list[list[int]], todo: li
                    progress) -> None:
     """Completes prompts[i] for every i in todo (input order), at most batch_size at once.
 
-    Stats: a step that carried some prompt's tokens counts as prefill, the others as decode steps
-    (in a running batch most prompts are fed beside the others' decoding)."""
+    Joining prompts are prefilled apart (Decoder's prefill_apart), in a forward that counts as
+    prefill in the stats; the steps of the running batch count as decode."""
     eos_ids = end_token_ids(lm.generation_config)
-    decoder = Decoder(lm, batch_size, step_tokens=None)
+    decoder = Decoder(lm, batch_size, step_tokens=None, prefill_apart=True)
     decoder.waiting.extend(sequence_for(lm, prompts[i], i, encoded[i], sampling, eos_ids) for i in todo)
     shown: dict[int, list[str]] = {i: [] for i in todo}
     release = ReleaseInOrder(todo, on_batch)
-    while decoder.busy:
-        decoder.join(decoder.next_joining())
-        prefilling = decoder.prefilling
-        advances = decoder.step()
+
+    def take(advances: list[Advance]) -> None:
+        """The advances' tokens to their sequences, the ended ones out of the batch and on to on_batch."""
         finished = {}
         for advance in advances:
             if advance.error is not None:
@@ -68,9 +67,19 @@ def run_continuous(lm, prompts: list[Prompt], encoded: list[list[int]], todo: li
                 progress.advance(sequence.max_tokens - len(sequence.generated))  # the tokens it did not need
         decoder.leave([advance.row for advance in advances if advance.reason is not None])
         progress.advance(len(advances))
-        count(stats, prefilling, decoder.step_s, len(advances))
         stats.new_tokens += sum(len(c.token_ids) for c in finished.values())
         release.add(finished)
+
+    while decoder.busy:
+        joined = decoder.join(decoder.next_joining())
+        if joined:
+            count(stats, True, decoder.join_s, len(joined))
+            take(joined)
+        if decoder.batch.rows:
+            prefilling = decoder.prefilling
+            advances = decoder.step()
+            count(stats, prefilling, decoder.step_s, len(advances))
+            take(advances)
 
 
 def count(stats: RunStats, prefilling: bool, seconds: float, tokens: int) -> None:

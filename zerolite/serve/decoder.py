@@ -5,14 +5,21 @@ it on its own thread for HTTP requests; `zerolite generate --input` turns it for
     decoder = Decoder(lm, max_batch=8, step_tokens=None)        # None: the step budget finds its own
     decoder.waiting.extend(sequences)
     while decoder.busy:
-        decoder.join(decoder.next_joining())
-        for advance in decoder.step():                           # each row that got its next token
-            ... advance.token, advance.text, advance.reason ...
+        advances = decoder.join(decoder.next_joining())          # prefilled apart: their first tokens
+        advances += decoder.step()                               # each row that got its next token
+        ... advance.token, advance.text, advance.reason ...
         decoder.leave([a.row for a in advances if a.reason])
 
 A finished sequence's place goes to the next one waiting at the next step, so no place idles
 while its neighbours finish (continuous batching); each row's tokens are those of its prompt alone
 (RunningBatch), so what a sequence gets does not depend on what shares the batch.
+
+Where a joining prompt is fed is the one choice between the front ends. The server feeds it in the
+running batch's steps, in chunks the step budget sizes to hide under the step's reads, so that no
+client waits on another's prompt. generate (prefill_apart) feeds the joining prompts whole in a
+forward of their own and merges their K/V into the batch: in a shared step every decoding row is
+padded to the prompt's chunk, which a compute-bound step (weights in memory, a CPU) pays for in
+full, while a forward apart costs one more pass over the weights per join.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from zerolite.serve.running_batch import Row, RunningBatch
 from zerolite.serve.step_budget import StepBudget
 from zerolite.serve.text_stream import TextStream
 from zerolite.serve.token_choice import TokenChoice
+
+WHOLE_PROMPTS = 1 << 30   # a step budget that feeds every joining prompt whole in one forward
 
 
 @dataclass(eq=False)
@@ -73,14 +82,19 @@ class Advance:
 
 
 class Decoder:
-    def __init__(self, lm, max_batch: int, step_tokens: int | None):
+    def __init__(self, lm, max_batch: int, step_tokens: int | None, prefill_apart: bool = False):
         """step_tokens: the most tokens a step computes over the batch; None: as many as hide
-        under the step's reads (zerolite.serve.step_budget)."""
+        under the step's reads (zerolite.serve.step_budget). prefill_apart: joining prompts are fed
+        whole in a forward of their own (join), not in the batch's steps."""
+        self.lm = lm
         self.max_batch = max_batch
         self.budget = StepBudget(step_tokens)
         self.batch = RunningBatch(lm, self.budget.tokens)
+        # a sliding window caps a forward's columns, so a long prompt would take several forwards apart
+        self.prefill_apart = prefill_apart and self.batch.max_columns is None
         self.waiting: deque[Sequence] = deque()
         self.step_s = 0.0                # the last step's time: its forward and its choices
+        self.join_s = 0.0                # the last join's: its prefill apart, where there was one
 
     @property
     def busy(self) -> bool:
@@ -99,16 +113,41 @@ class Decoder:
             joining.append(self.waiting.popleft())
         return joining
 
-    def join(self, sequences: list[Sequence]) -> None:
-        self.batch.add([Row(list(s.prompt_ids), owner=s) for s in sequences])
+    def join(self, sequences: list[Sequence]) -> list[Advance]:
+        """The sequences join the batch. Prefilled apart, their prompts are fed now, and each has
+        chosen its first token (the advances; the ended ones stay until leave()); otherwise they
+        are fed in the coming steps, and nothing is chosen yet."""
+        rows = [Row(list(s.prompt_ids), owner=s) for s in sequences]
+        if not self.prefill_apart:
+            self.batch.add(rows)
+            return []
+        if not rows:
+            return []
+        started = time.perf_counter()
+        joining = RunningBatch(self.lm, WHOLE_PROMPTS)
+        joining.add(rows)
+        try:
+            advances = self._choose(joining.step())
+        except BaseException:
+            joining.reset()
+            raise
+        self.batch.merge(joining)
+        self.join_s = time.perf_counter() - started
+        return advances
 
     def step(self) -> list[Advance]:
         """One forward over every row, then each row whose prompt is all fed chooses its next
         token. A row that goes on feeds it next step; the ended ones stay until leave()."""
         started = time.perf_counter()
         self.batch.step_tokens = self.budget.tokens
+        advances = self._choose(self.batch.step())
+        self.step_s = time.perf_counter() - started
+        self.budget.observe(self.batch.computed, self.step_s)
+        return advances
+
+    def _choose(self, done: list) -> list[Advance]:
         advances = []
-        for row, logits in self.batch.step():
+        for row, logits in done:
             sequence: Sequence = row.owner
             try:
                 token = sequence.choice.pick(logits)
@@ -119,8 +158,6 @@ class Decoder:
             if reason is None:
                 row.pending = [token]
             advances.append(Advance(row, token, text, reason))
-        self.step_s = time.perf_counter() - started
-        self.budget.observe(self.batch.computed, self.step_s)
         return advances
 
     def leave(self, rows: list[Row]) -> None:
