@@ -103,7 +103,7 @@ def test_a_run_resumed_continuously_completes_a_static_runs_file_line_for_line(c
     def generate(output, *more):
         result = run(capsys, monkeypatch, "generate", "--model", make_layout("llama"), "--device", "cpu",
                      "--input", tmp_path / "in.jsonl", "--output", output, "--batch-size", str(BATCH),
-                     "--max-new-tokens", "64", *more)
+                     "--max-new-tokens", "64", "--offload", "cpu", *more)  # cpu: no planner to time
         assert result.code == 0, result.stderr
         return output.read_text()
 
@@ -161,7 +161,8 @@ def test_the_command_line_names_the_line_of_a_bad_value_or_a_stop_without_tokeni
     assert_one_line_error(result, "line 1", '"max_new_tokens" must be an integer of at least 1, got -3')
     path.write_text(json.dumps({"id": 1, "input_ids": [5, 6]}) + "\n" + json.dumps({"id": 2, "input_ids": [7],
                                                                                      "stop": "x"}) + "\n")
-    result = run(capsys, monkeypatch, "generate", "--model", make_layout("llama"), "--device", "cpu", "--input", path)
+    result = run(capsys, monkeypatch, "generate", "--model", make_layout("llama"), "--device", "cpu", "--input", path,
+                 "--offload", "cpu")  # no planner to time
     assert_one_line_error(result, "line 2", '"stop" strings need the model\'s tokenizer')
 
 
