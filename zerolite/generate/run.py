@@ -27,7 +27,7 @@ from zerolite.lm import OffloadedLM
 from zerolite.progress import token_progress
 from zerolite.runtime.batching import decide_batch_size, largest_batch
 from zerolite.sampling import Sampling
-from zerolite.serve.running_batch import cache_columns_limit
+from zerolite.serve.running_batch import RunningBatch
 from zerolite.serve.token_choice import rules_beyond_choice
 from zerolite.text import (
     PromptError,
@@ -269,7 +269,7 @@ def why_not_continuous(lm: OffloadedLM, sampling: Sampling) -> str | None:
     if rules:
         return f"the model's generation config sets {', '.join(rules)}, which only transformers' generate applies"
     try:
-        cache_columns_limit(lm.new_cache())
+        RunningBatch(lm, step_tokens=1)
     except ZeroliteError:
-        return "this model's cache holds other state than attention's K/V columns"
+        return "this model keeps other state than attention's K/V columns"
     return None

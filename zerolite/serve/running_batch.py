@@ -58,6 +58,8 @@ class RunningBatch:
         self.cache = None
         self.computed = 0             # tokens the last step computed over all rows, the padding included
         forward = inspect.signature(self.model.forward).parameters
+        if cache_keyword() not in forward:
+            raise ZeroliteError(STATE_OF_ITS_OWN)
         self._takes_positions = "position_ids" in forward
         self._keeps_logits = "logits_to_keep" in forward
         self.max_columns = cache_columns_limit(lm.new_cache())
@@ -205,6 +207,11 @@ class RunningBatch:
                 layer.keys, layer.values = change(layer.keys), change(layer.values)
                 if hasattr(layer, "cumulative_length"):
                     layer.cumulative_length = layer.keys.shape[-2]  # a sliding window's own count of tokens seen
+
+
+# RWKV's forward takes a `state` of its own, not a cache: what it would be handed, it would not use
+STATE_OF_ITS_OWN = ("zerolite serve batches sequences by their K/V columns, and this model keeps a state of its own "
+                    "instead of a cache: serve a model with attention layers only")
 
 
 def cache_columns_limit(cache) -> int | None:
