@@ -2,7 +2,7 @@
 spread from 8 to 256 (each line's own max_new_tokens), through `zerolite generate`'s two
 batchings at the same batch size on the same loaded model, greedy.
 
-    python tools/bench_batching.py [--prompts 64] [--batch-size 8] [--offload cpu] [--json out.json]
+    python tools/bench_batching.py [--prompts 64] [--batch-size 8] [--offload cpu] [--rounds 1] [--json out.json]
 
 The model is a small random Llama (tools/models.py, built once under build/batching/) in a layout
 of --dtype fp32 (by default: in bf16 the sums of a batch of another shape round differently, and a
@@ -10,7 +10,8 @@ random model's nearly equal logits then tip greedy decoding to other tokens, in 
 its layers streamed from host memory (--offload cpu) or from disk (--offload nvme, every layer read
 per step). Prints each
 batching's new tokens, wall time (prefill included), tokens/s and forwards, their ratio, and
-whether every id's completion is the same in both files.
+whether every id's completion is the same in both files. With --rounds N the two take turns N
+times (static first) and the medians are compared: on a shared machine the load drifts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,6 +56,7 @@ def main() -> None:
                         help="cpu: the layers streamed from host memory; nvme: every layer read from disk per step")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the layout's")
     parser.add_argument("--build", type=Path, default=BUILD, help="where the model, its layout and the files go")
+    parser.add_argument("--rounds", type=int, default=1, help="each batching this many times, taking turns")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args()
 
@@ -68,18 +71,23 @@ def main() -> None:
     memory = {"cpu_memory": 0} if args.offload == "nvme" else {}
     report = {"prompts": args.prompts, "batch_size": args.batch_size, "offload": args.offload, "dtype": args.dtype,
               "asked_new_tokens": sum(counts), "model": MODEL_CONFIG}
+    runs = {"static": [], "continuous": []}
     with zerolite.load(str(layout), offload=args.offload, device="cpu", show_progress=False, **memory) as lm:
-        for batching in ("static", "continuous"):
-            output = args.build / f"out-{batching}.jsonl"
-            output.unlink(missing_ok=True)
-            started = time.perf_counter()
-            stats = generate_file(lm, prompts, output, Sampling(max_new_tokens=args.longest),
-                                  batch_size=args.batch_size, show_progress=False, batching=batching)
-            seconds = time.perf_counter() - started
-            report[batching] = {"new_tokens": stats.new_tokens, "seconds": round(seconds, 3),
-                                "tokens_per_s": round(stats.new_tokens / seconds, 2), "forwards": stats.forwards}
-            print(f"{batching:>10}: {stats.new_tokens} new tokens in {seconds:.1f} s: "
-                  f"{stats.new_tokens / seconds:.1f} tokens/s, {stats.forwards} forwards", flush=True)
+        for _ in range(args.rounds):
+            for batching in runs:
+                output = args.build / f"out-{batching}.jsonl"
+                output.unlink(missing_ok=True)
+                started = time.perf_counter()
+                stats = generate_file(lm, prompts, output, Sampling(max_new_tokens=args.longest),
+                                      batch_size=args.batch_size, show_progress=False, batching=batching)
+                seconds = time.perf_counter() - started
+                runs[batching].append({"new_tokens": stats.new_tokens, "seconds": round(seconds, 3),
+                                       "tokens_per_s": round(stats.new_tokens / seconds, 2),
+                                       "forwards": stats.forwards})
+                print(f"{batching:>10}: {stats.new_tokens} new tokens in {seconds:.1f} s: "
+                      f"{stats.new_tokens / seconds:.1f} tokens/s, {stats.forwards} forwards", flush=True)
+    for batching, done in runs.items():
+        report[batching] = {"runs": done, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in done)}
     lines = {b: {r["id"]: r for r in map(json.loads, (args.build / f"out-{b}.jsonl").read_text().splitlines())}
              for b in ("static", "continuous")}
     report["same_outputs_per_id"] = lines["static"] == lines["continuous"] and len(lines["static"]) == args.prompts
