@@ -37,7 +37,7 @@ class Completion:
     prompt: str | None
     completion: str | None           # None when the model has no tokenizer
     token_ids: list[int]             # the generated ids only
-    finish_reason: str               # "stop" (an end-of-sequence token) or "length"
+    finish_reason: str               # "stop" (an end-of-sequence token or a stop string) or "length"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
