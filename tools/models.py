@@ -12,13 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def make_model(source: Path, model_type: str, config: dict, layouts: dict[Path, dict],
-               peaked: bool = False) -> None:
+def make_model(source: Path, model_type: str, config: dict, layouts: dict[Path, dict]) -> None:
     """Saves a bf16 model_type of config's shape with random weights (seed 0) in source, then
     converts it into each folder of layouts with that folder's convert arguments: each only where
-    it is missing, so that a model built once serves every later run. peaked: weights drawn wider than
-    transformers' init (as the tests' tiny models), so that each step's likeliest token leads by a margin
-    that bf16's rounding in batches of other shapes does not overturn: for benchmarks that compare tokens."""
+    it is missing, so that a model built once serves every later run."""
     # Imported here: a benchmark's own process stays without transformers unless it builds a model.
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -28,13 +25,8 @@ def make_model(source: Path, model_type: str, config: dict, layouts: dict[Path, 
 
     if not (source / "config.json").is_file():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.bfloat16)
-        if peaked:
-            with torch.no_grad():
-                for param in model.parameters():
-                    if param.dim() >= 2:
-                        param.normal_(0.0, 4.0 / param.shape[-1] ** 0.5)
-        model.save_pretrained(source)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config),
+                                         dtype=torch.bfloat16).save_pretrained(source)
     for layout, convert_args in layouts.items():
         if not (layout / MANIFEST).is_file():
             convert(str(source), layout, **convert_args)
