@@ -53,7 +53,7 @@ def test_jsonl_in_and_out_match_transformers_batch_by_batch(capsys, monkeypatch,
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": f"p{i}", "input_ids": ids} for i, ids in enumerate(PROMPTS)])
     result = run(capsys, monkeypatch, "generate", "--model", source, "--path", tmp_path / "layout", "--device", "cpu",
                  "--input", prompts, "--output", tmp_path / "out.jsonl", "--batch-size", "2", "--cpu-memory", "0",
-                 "--max-new-tokens", str(NEW_TOKENS), "--stats-json", tmp_path / "stats.json")
+                 "--max-new-tokens", str(NEW_TOKENS), "--stats-json", tmp_path / "stats.json", "--batching", "static")
     assert result.code == 0, result.stderr
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [line["id"] for line in lines] == ["p0", "p1", "p2"]

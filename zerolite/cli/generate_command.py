@@ -35,6 +35,10 @@ def generate(
     batch_size: Annotated[str | None, typer.Option(
         help="Prompts per pass over the weights, or auto: zerolite plan's choice for this job, within what the "
         "memory left holds (default 8; 1 with --draft).", show_default=False)] = None,
+    batching: Annotated[str | None, typer.Option(
+        help="continuous: a finished prompt's place in the batch goes to the next prompt at the next step (the "
+        "default where it can run: one process, no --draft); static: batch after batch, each until its last "
+        "prompt ends.", show_default=False)] = None,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_p: Annotated[float, typer.Option(
@@ -81,6 +85,11 @@ def generate(
                                     f"and --batch-size is {batch_size}: leave out --batch-size, or leave out --draft "
                                     "to batch them")
             options.parse_batch_size(batch_size or DEFAULT_BATCH_SIZE)
+            if batching not in (None, "continuous", "static"):
+                raise ZeroliteError(f"--batching must be continuous or static, got {batching!r}")
+            if batching == "continuous" and draft is not None:
+                raise ZeroliteError("--draft decodes one prompt at a time through speculative decoding, which "
+                                    "--batching continuous cannot: leave out --batching")
             return read_prompts(input_file) if input_file is not None else prompts_from_arguments(prompts)
 
         todo, done, log = open_job(world, stack, read, output)
@@ -116,7 +125,8 @@ def generate(
                     stderr.print(f"[dim]{planned}[/dim]", highlight=False, soft_wrap=True)
                 show_plan(lm, size, tokens, chosen=batch is None)
 
-        stats = generate_all(lm, todo, sampling(), batch, show, done=done, planned_batch=planned_batch, on_start=start)
+        stats = generate_all(lm, todo, sampling(), batch, show, done=done, planned_batch=planned_batch, on_start=start,
+                             batching=batching)
     if not world.leads:
         return
     if stats_json is not None:

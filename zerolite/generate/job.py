@@ -40,13 +40,15 @@ def open_job(world: World, stack: ExitStack, read,
 
 
 def generate_file(lm, input: str | os.PathLike, output: str | os.PathLike, sampling: Sampling = Sampling(),
-                  batch_size: int | None = 8, show_progress: bool = True) -> RunStats | None:
+                  batch_size: int | None = 8, show_progress: bool = True,
+                  batching: str | None = None) -> RunStats | None:
     """Completes every prompt of input (JSONL) that output (JSONL) does not have yet; None when it
-    has them all. batch_size None: the largest batch the memory holds. Under torchrun every rank
-    calls it alike, and rank 0 gets the totals over every rank."""
+    has them all. batch_size None: the largest batch the memory holds. batching: continuous,
+    static, or None: continuous where it can run (generate_all). Under torchrun every rank calls
+    it alike, and rank 0 gets the totals over every rank."""
     with ExitStack() as stack:
         todo, done, log = open_job(lm.world, stack, lambda: read_prompts(Path(input)), Path(output))
         if all(prompt.id in done for prompt in todo):
             return None
         return generate_all(lm, todo, sampling, batch_size, log.append if log is not None else lambda batch: None,
-                            show_progress, done)
+                            show_progress, done, batching=batching)

@@ -1,6 +1,7 @@
 """Prompts in, completions out: the JSONL files of `zerolite generate`.
 
-Input, one object per line:   {"id": "q1", "prompt": "text"}  or  {"id": "q1", "input_ids": [1, 2, 3]}
+Input, one object per line:   {"id": "q1", "prompt": "text"}  or  {"id": "q1", "input_ids": [1, 2, 3]},
+                              optionally with its own "max_new_tokens": 32 and "stop": "\n\n" (or a list)
 Output, one object per line:  {"id", "prompt", "completion", "token_ids", "finish_reason"}
 """
 
@@ -21,6 +22,8 @@ class Prompt:
     text: str | None                 # None when given as token ids
     input_ids: tuple[int, ...] | None
     line: int | None = None          # its line in the prompts file
+    max_new_tokens: int | None = None  # its own limit; None: the job's
+    stop: tuple[str, ...] = ()       # strings that end its completion (not shown in it)
 
     @property
     def where(self) -> str:
@@ -34,7 +37,7 @@ class Completion:
     prompt: str | None
     completion: str | None           # None when the model has no tokenizer
     token_ids: list[int]             # the generated ids only
-    finish_reason: str               # "stop" (an end-of-sequence token) or "length"
+    finish_reason: str               # "stop" (an end-of-sequence token or a stop string) or "length"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -85,12 +88,34 @@ def parse_line(line: bytes, where: str, number: int) -> Prompt:
     has_text, has_ids = "prompt" in obj, "input_ids" in obj
     if has_text == has_ids:
         raise ZeroliteError(f"{where} needs exactly one of \"prompt\" and \"input_ids\": write {INPUT_FORMAT}")
+    limits = {"line": number, "max_new_tokens": own_max_new_tokens(obj, where), "stop": own_stop(obj, where)}
     if has_text:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise ZeroliteError(f"{where}: \"prompt\" must be a non-empty string")
-        return Prompt(obj["id"], obj["prompt"], None, number)
+        return Prompt(obj["id"], obj["prompt"], None, **limits)
     ids = obj["input_ids"]
     if (not isinstance(ids, list) or not ids
             or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
         raise ZeroliteError(f"{where}: \"input_ids\" must be a non-empty list of token ids (integers >= 0)")
-    return Prompt(obj["id"], None, tuple(ids), number)
+    return Prompt(obj["id"], None, tuple(ids), **limits)
+
+
+def own_max_new_tokens(obj: dict, where: str) -> int | None:
+    value = obj.get("max_new_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ZeroliteError(f"{where}: \"max_new_tokens\" must be an integer of at least 1, got {json.dumps(value)}")
+    return value
+
+
+def own_stop(obj: dict, where: str) -> tuple[str, ...]:
+    """"stop" as OpenAI's API takes it: a string or a list of strings, none empty."""
+    value = obj.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not stops or not all(isinstance(s, str) and s for s in stops):
+        raise ZeroliteError(f"{where}: \"stop\" must be a non-empty string or a list of them, "
+                            f"got {json.dumps(value)}")
+    return tuple(stops)

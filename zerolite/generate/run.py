@@ -2,8 +2,11 @@
 
     stats = generate_all(lm, prompts, Sampling(max_new_tokens=64), batch_size=8, on_batch=write)
 
-Prompts are batched in input order and left-padded with an attention mask, as transformers
-expects for decoder-only models; every batch is one transformers generate call.
+Two batchings, the same tokens per prompt. continuous (the default where it can run): the prompts
+go through the server's running batch, a finished prompt's place taken by the next at the next
+step (generate.continuous). static: batches cut in input order, left-padded with an attention
+mask as transformers expects for decoder-only models, each one transformers generate call that
+ends when its last row ends.
 """
 
 from __future__ import annotations
@@ -13,14 +16,19 @@ import resource
 from collections.abc import Callable
 
 import torch
+from transformers import StoppingCriteriaList
 
 from zerolite.errors import ZeroliteError
+from zerolite.generate.continuous import run_continuous
 from zerolite.generate.prompts import Completion, Prompt
+from zerolite.generate.sequences import RowsEnded, max_tokens, replay, sequence_for
 from zerolite.generate.stats import RunStats, StepClock
 from zerolite.lm import OffloadedLM
 from zerolite.progress import token_progress
 from zerolite.runtime.batching import decide_batch_size, largest_batch
 from zerolite.sampling import Sampling
+from zerolite.serve.running_batch import RunningBatch
+from zerolite.serve.token_choice import rules_beyond_choice
 from zerolite.text import (
     PromptError,
     check_ids,
@@ -43,12 +51,16 @@ def generate_all(
     done: set = frozenset(),
     on_start: Callable[[int, int], None] = lambda batch_size, tokens: None,
     planned_batch: int | None = None,
+    batching: str | None = None,
 ) -> RunStats:
-    """Generates for every prompt, batch after batch, handing each batch's completions to on_batch.
+    """Generates for every prompt whose id is not in done (a resumed run), handing the completions
+    to on_batch in input order, a few at a time.
 
+    batching: "continuous" (the running batch, at most batch_size prompts at once), "static"
+    (batch after batch), None: continuous where it can run (why_not_continuous), else static.
     batch_size None picks the largest batch the memory holds, at most planned_batch (decide_batch_size).
-    Batches are cut from the whole list by position, so that a batch always holds the same prompts
-    (and so gives the same tokens); those whose ids are all in done (a resumed run) are skipped.
+    Static batches are cut from the whole list by position, so that a batch always holds the same
+    prompts (and so gives the same tokens); those whose ids are all in done are skipped.
     on_start hears the rows of the largest batch that runs (fewer than batch_size when fewer
     prompts are left) and the longest sequence among them, once the prompts are checked and before
     anything runs (if anything does).
@@ -61,36 +73,58 @@ def generate_all(
     """
     world = lm.world
     encoded: list[list[int]] = []
-    batches: list[range] = []
+    size = 0
+    continuous = False
 
     def prepare() -> None:
-        nonlocal encoded, batches
+        nonlocal encoded, size, continuous
         if batch_size is not None and batch_size < 1:
             raise ZeroliteError(f"`batch_size` must be at least 1, got {batch_size}")
+        continuous = choose_continuous(lm, batching, sampling)
         encoded = encode(lm, prompts, sampling.chat)
-        check_context(lm, prompts, encoded, sampling.max_new_tokens)
+        check_context(lm, prompts, encoded, sampling)
 
         def fits() -> int:  # the largest every rank's memory holds
             lengths = [len(ids) for ids in encoded]
-            return min(world.all_gather(lambda: largest_batch(lm, lengths, sampling.max_new_tokens),
-                                        "choosing the batch size"))
+            longest = max(max_tokens(prompt, sampling) for prompt in prompts)
+            return min(world.all_gather(lambda: largest_batch(lm, lengths, longest), "choosing the batch size"))
 
         size = decide_batch_size(batch_size, planned=planned_batch, fits=fits)
-        batches = [range(start, min(start + size, len(prompts))) for start in range(0, len(prompts), size)]
         check_work(len(prompts), size, world.size)
 
     world.run_on_all(prepare, "preparing the prompts")
-    batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
-    running = [i for rows in batches for i in rows]
-    if running:
-        on_start(max(map(len, batches)), max(len(encoded[i]) for i in running) + sampling.max_new_tokens)
-    config = sampling.generation_config(lm.generation_config, pad_id(lm.tokenizer, lm.generation_config))
     stats = RunStats(load_s=lm.load_s, convert_s=lm.convert_s)
     bytes_before = lm.bytes_read
     experts_before = lm.expert_counts()
     speculation_before = copy.copy(lm.speculator.stats) if lm.speculator is not None else None
     show_progress = show_progress and world.leads
-    with token_progress("generating", len(running) * sampling.max_new_tokens, enabled=show_progress) as progress:
+    if continuous:
+        todo = [i for i, prompt in enumerate(prompts) if prompt.id not in done]
+        if todo:
+            on_start(min(size, len(todo)), max(len(encoded[i]) + max_tokens(prompts[i], sampling) for i in todo))
+        total = sum(max_tokens(prompts[i], sampling) for i in todo)
+        with token_progress("generating", total, enabled=show_progress) as progress:
+            progress.note(f"{min(size, len(todo))} at once")
+            run_continuous(lm, prompts, encoded, todo, sampling, size, on_batch, stats, progress)
+    else:
+        run_static(lm, prompts, encoded, sampling, size, on_batch, show_progress, done, on_start, stats)
+    return totals(lm, stats, bytes_before, experts_before, speculation_before)
+
+
+def run_static(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], sampling: Sampling, size: int,
+               on_batch: Callable[[list[Completion]], None], show_progress: bool, done: set,
+               on_start: Callable[[int, int], None], stats: RunStats) -> None:
+    """Batch after batch, dealt out to the ranks in rounds (generate_all)."""
+    world = lm.world
+    batches = [range(start, min(start + size, len(prompts))) for start in range(0, len(prompts), size)]
+    batches = [rows for rows in batches if any(prompts[i].id not in done for i in rows)]
+    running = [i for rows in batches for i in rows]
+    if running:
+        on_start(max(map(len, batches)), max(len(encoded[i]) + max_tokens(prompts[i], sampling) for i in running))
+    config = sampling.generation_config(lm.generation_config, pad_id(lm.tokenizer, lm.generation_config))
+    # a batch runs until its last row ends: its rows' steps, each up to the longest limit among them
+    total = sum(len(rows) * max(max_tokens(prompts[i], sampling) for i in rows) for rows in batches)
+    with token_progress("generating", total, enabled=show_progress) as progress:
         for start in range(0, len(batches), world.size):
             deal = batches[start:start + world.size]
             progress.note(f"batch {start + 1}/{len(batches)}" if len(deal) == 1 else
@@ -107,6 +141,11 @@ def generate_all(
                     if rank != world.rank:
                         progress.advance(tokens)
                     on_batch(completions)
+
+
+def totals(lm: OffloadedLM, stats: RunStats, bytes_before: int, experts_before, speculation_before) -> RunStats:
+    """The job's stats, with what the model counted while it ran; under torchrun, over every rank on rank 0."""
+    world = lm.world
     stats.bytes_read = lm.bytes_read - bytes_before
     if lm.per_expert:
         stats.experts = lm.expert_counts().since(experts_before)
@@ -132,14 +171,25 @@ def check_work(prompts: int, batch_size: int, ranks: int) -> None:
 
 def run_batch(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], rows: range, sampling: Sampling, config,
               stats: RunStats, progress) -> tuple[list[Completion], int]:
-    """One batch through one generate call: its completions, and the tokens its steps made."""
+    """One batch through one generate call: its completions, and the tokens its steps made. The
+    call runs until each row reached its own end (RowsEnded); each row's tokens are then cut there."""
+    eos_ids = end_token_ids(config)
+
+    def sequences() -> list:
+        return [sequence_for(lm, prompts[i], i, encoded[i], sampling, eos_ids) for i in rows]
+
     input_ids, attention_mask = left_pad([encoded[i] for i in rows], config.pad_token_id)
+    watched = sequences()
+    config = copy.copy(config)
+    config.max_new_tokens = max(sequence.max_tokens for sequence in watched)
     clock = StepClock(progress.advance)
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
-    output = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock)
+    output = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock,
+                         stopping_criteria=StoppingCriteriaList([RowsEnded(watched, input_ids.shape[1])]))
     new = output[:, input_ids.shape[1] :].cpu()
-    completions = [finish(lm, prompts[i], new[k].tolist(), config) for k, i in enumerate(rows)]
+    completions = [replay(lm, prompts[i], sequence, new[k].tolist())
+                   for k, (i, sequence) in enumerate(zip(rows, sequences(), strict=True))]
     stats.prefill_s += clock.prefill_s
     stats.decode_s += clock.decode_s
     stats.decode_tokens += clock.decode_tokens
@@ -177,28 +227,49 @@ def encode(lm: OffloadedLM, prompts: list[Prompt], chat: bool) -> list[list[int]
     return encoded
 
 
-def check_context(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], max_new_tokens: int) -> None:
+def check_context(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int]], sampling: Sampling) -> None:
+    """Each prompt with its own max_new_tokens (or the job's) within the model's context; the
+    first one that is not is named. A stop string needs the tokenizer, to see it in the text."""
     limit = context_length(lm.config)
-    if limit is None:
-        return
-    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
-    length, where = len(encoded[longest]), prompts[longest].where
-    if length > limit:
-        raise ZeroliteError(f"{where} is {length} tokens, longer than the model's context of {limit}: shorten it")
-    if length + max_new_tokens > limit:
-        raise ZeroliteError(
-            f"{where} is {length} tokens; with `max_new_tokens` {max_new_tokens} it would run past "
-            f"the model's context of {limit}: use `max_new_tokens` {limit - length} or less"
-        )
+    for prompt, ids in zip(prompts, encoded, strict=True):
+        if prompt.stop and lm.tokenizer is None:
+            raise ZeroliteError(f"{prompt.where}: \"stop\" strings need the model's tokenizer, and this model has "
+                                "none: leave out \"stop\"")
+        if limit is None:
+            continue
+        if len(ids) > limit:
+            raise ZeroliteError(f"{prompt.where} is {len(ids)} tokens, longer than the model's context of {limit}: "
+                                "shorten it")
+        new = max_tokens(prompt, sampling)
+        if len(ids) + new > limit:
+            name = '"max_new_tokens"' if prompt.max_new_tokens else "`max_new_tokens`"
+            raise ZeroliteError(f"{prompt.where} is {len(ids)} tokens; with {name} {new} it would run past "
+                                f"the model's context of {limit}: use {name} {limit - len(ids)} or less")
 
 
-def finish(lm: OffloadedLM, prompt: Prompt, new_ids: list[int], config) -> Completion:
-    """Cuts a row's new tokens after its first end-of-sequence token (generate pads the rest)."""
-    eos_ids = end_token_ids(config)
-    reason = "length"
-    for k, token in enumerate(new_ids):
-        if token in eos_ids:
-            new_ids, reason = new_ids[: k + 1], "stop"
-            break
-    text = lm.tokenizer.decode(new_ids, skip_special_tokens=True) if lm.tokenizer is not None else None
-    return Completion(prompt.id, prompt.text, text, new_ids, reason)
+def choose_continuous(lm: OffloadedLM, batching: str | None, sampling: Sampling) -> bool:
+    if batching not in (None, "continuous", "static"):
+        raise ZeroliteError(f"`batching` must be continuous or static, got {batching!r}")
+    if batching == "static":
+        return False
+    reason = why_not_continuous(lm, sampling)
+    if reason is not None and batching == "continuous":
+        raise ZeroliteError(f"`batching` continuous cannot run here: {reason}; use `batching` static")
+    return reason is None
+
+
+def why_not_continuous(lm: OffloadedLM, sampling: Sampling) -> str | None:
+    """What keeps this job off the running batch, which decodes one token per row per step with
+    the server's token choice, over a cache of K/V columns; None: nothing."""
+    if lm.world.size > 1:
+        return "under torchrun the prompts are dealt out to the ranks batch by batch"
+    if lm.draft is not None:
+        return "a draft's speculative decoding runs one prompt at a time, through transformers' generate"
+    rules = rules_beyond_choice(sampling.generation_config(lm.generation_config, pad_id=0))
+    if rules:
+        return f"the model's generation config sets {', '.join(rules)}, which only transformers' generate applies"
+    try:
+        RunningBatch(lm, step_tokens=1)
+    except ZeroliteError:
+        return "this model keeps other state than attention's K/V columns"
+    return None

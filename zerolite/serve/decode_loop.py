@@ -5,11 +5,11 @@
     decode_loop.submit(Request(sequences, asyncio.get_running_loop()))   # from the web server's loop
     event = await request.events.get()                                     # Tokens, Finished or Failed
 
-Each turn of the loop:
+Each turn of the loop (the Decoder's, which generate's input files turn too):
 1. drops the sequences whose clients went away, waiting or running;
 2. lets waiting sequences join the running batch, up to max_batch (a step boundary);
 3. runs one step: one pass over the weights for every row, prefill chunks and decodes alike;
-4. picks each finished row's next token, sends it to its client, and lets the rows that are done leave.
+4. sends each row's next token to its client, and lets the rows that are done leave.
 
 Requests arrive on the web server's event loop and hear back through it: the decode loop posts
 events with call_soon_threadsafe, and reads nothing of the requests but their cancelled flag.
@@ -23,15 +23,11 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from zerolite.errors import describe
+from zerolite.serve.decoder import Advance, Decoder, Sequence
 from zerolite.serve.metrics import ServeMetrics
-from zerolite.serve.running_batch import Row, RunningBatch
-from zerolite.serve.step_budget import StepBudget
-from zerolite.serve.text_stream import TextStream
-from zerolite.serve.token_choice import TokenChoice
 
 
 @dataclass(frozen=True)
@@ -52,19 +48,6 @@ class Failed:
     message: str
     status: int           # the HTTP status it would have been: 500 for a failed step, 503 when shutting down
     code: str             # OpenAI's error code: "internal_error" or "shutting_down"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One prompt's generation: a row of the running batch while it runs."""
-    index: int                       # its choice's index in the response
-    prompt_ids: list[int]
-    max_tokens: int
-    choice: TokenChoice
-    text: TextStream | None          # None: no tokenizer, token ids only
-    stop_ids: frozenset[int]         # end tokens
-    request: Request | None = None
-    generated: list[int] = field(default_factory=list)
 
 
 class Request:
@@ -109,9 +92,9 @@ class DecodeLoop:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.metrics = metrics
-        self.budget = StepBudget(step_tokens)
-        self.batch = RunningBatch(lm, self.budget.tokens)
-        self._waiting: deque[Sequence] = deque()
+        self.decoder = Decoder(lm, max_batch, step_tokens)
+        self.batch = self.decoder.batch
+        self._waiting = self.decoder.waiting
         self._wake = threading.Condition()
         self._accepting = True
         self._deadline: float | None = None    # while draining: when what is left is cancelled
@@ -219,18 +202,15 @@ class DecodeLoop:
         self._count()
 
     def _admit(self) -> None:
-        joining = []
-        while self._waiting and len(self.batch.rows) + len(joining) < self.max_batch:
-            sequence = self._waiting.popleft()
-            joining.append(Row(list(sequence.prompt_ids), owner=sequence))
-            self.metrics.prompt_tokens.inc(len(sequence.prompt_ids))
+        joining = self.decoder.next_joining()
+        self.metrics.prompt_tokens.inc(sum(len(sequence.prompt_ids) for sequence in joining))
         try:
-            self.batch.add(joining)
+            self.decoder.join(joining)
         except Exception as e:
             # Neither running nor waiting now: their requests hear of it here (the running ones, whose
             # cache the half-done add left uneven, from the turn's failure).
             failure = Failed(f"internal error joining the batch: {describe(e)}", 500, "internal_error")
-            for request in {row.owner.request for row in joining}:
+            for request in {sequence.request for sequence in joining}:
                 request.post(failure)
             self.metrics.sequences.labels("error").inc(len(joining))
             raise
@@ -238,58 +218,40 @@ class DecodeLoop:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        self.batch.step_tokens = self.budget.tokens
-        done = self.batch.step()
+        advances = self.decoder.step()
         leaving = []
         failed = {}   # request -> what failed: only its own rows leave
-        for row, logits in done:
-            request = row.owner.request
-            if request in failed:
-                continue
-            try:
-                if self._next_token(row, logits):
-                    leaving.append(row)
-            except Exception as e:
-                traceback.print_exc(file=sys.stderr)
-                failed[request] = Failed(f"internal error choosing a token: {describe(e)}", 500, "internal_error")
+        for advance in advances:
+            request = advance.sequence.request
+            if advance.error is not None:
+                traceback.print_exception(advance.error, file=sys.stderr)
+                failed.setdefault(request, Failed(f"internal error choosing a token: {describe(advance.error)}",
+                                                  500, "internal_error"))
+            elif request not in failed:
+                self._send(advance)
+                if advance.reason is not None:
+                    leaving.append(advance.row)
         with self._wake:
             leaving += [row for row in self.batch.rows if row.owner.request in failed and row not in leaving]
-            self.batch.remove(leaving)
+            self.decoder.leave(leaving)
             self._count()
         for request, failure in failed.items():
             request.post(failure)
             self.metrics.sequences.labels("error").inc(len(request.sequences))
         seconds = time.perf_counter() - started
-        self.budget.observe(self.batch.computed, seconds)
         self._step_s = 0.8 * self._step_s + 0.2 * seconds
-        self.metrics.step(seconds, len(done))
+        self.metrics.step(seconds, len(advances))
 
-    def _next_token(self, row: Row, logits) -> bool:
-        """Picks and sends the row's next token; True when its sequence is done."""
-        sequence = row.owner
-        request = sequence.request
-        token = sequence.choice.pick(logits)
-        sequence.generated.append(token)
+    def _send(self, advance: Advance) -> None:
+        """Sends the row's new token to its client, and its end when it came."""
+        request = advance.sequence.request
         if not request.answered:
             request.answered = True
             self.metrics.ttft.observe(time.monotonic() - request.arrived)
-        reason, text = None, ""
-        if token in sequence.stop_ids:
-            reason = "stop"
-        elif sequence.text is not None:
-            text, stopped = sequence.text.add(token)
-            reason = "stop" if stopped else None
-        if reason is None and len(sequence.generated) >= sequence.max_tokens:
-            reason = "length"
-        if reason is not None and sequence.text is not None:
-            text += sequence.text.finish()  # after a stop string, nothing is held back
-        request.post(Tokens(sequence.index, [token], text))
-        if reason is None:
-            row.pending = [token]
-            return False
-        request.post(Finished(sequence.index, reason))
-        self.metrics.sequences.labels(reason).inc()
-        return True
+        request.post(Tokens(advance.sequence.index, [advance.token], advance.text))
+        if advance.reason is not None:
+            request.post(Finished(advance.sequence.index, advance.reason))
+            self.metrics.sequences.labels(advance.reason).inc()
 
     def _fail_all(self, failure: Failed, waiting_too: bool = True) -> None:
         """Answers every running (and, unless told otherwise, waiting) sequence's request with failure."""

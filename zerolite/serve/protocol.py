@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from zerolite.sampling import Sampling
-from zerolite.serve.decode_loop import Sequence
+from zerolite.serve.decoder import Sequence
 from zerolite.serve.text_stream import TextStream
 from zerolite.serve.token_choice import TokenChoice
 from zerolite.text import PromptError, check_ids, encode_chat, encode_text

@@ -58,6 +58,8 @@ class RunningBatch:
         self.cache = None
         self.computed = 0             # tokens the last step computed over all rows, the padding included
         forward = inspect.signature(self.model.forward).parameters
+        if cache_keyword() not in forward:
+            raise ZeroliteError(STATE_OF_ITS_OWN)
         self._takes_positions = "position_ids" in forward
         self._keeps_logits = "logits_to_keep" in forward
         self.max_columns = cache_columns_limit(lm.new_cache())
@@ -92,6 +94,34 @@ class RunningBatch:
         index = torch.tensor(keep)
         drop = before - self.width
         self._each_layer(lambda states: states.index_select(0, index.to(states.device))[:, :, drop:])
+
+    def merge(self, other: RunningBatch) -> None:
+        """other's rows join this batch with the K/V they have fed, and other is left empty: the
+        narrower batch's columns are padded on the left, masked, so that each row's fed tokens stay
+        the last columns of its own (a prompt prefilled apart, then decoded with the others)."""
+        if not other.rows:
+            return
+        if not self.rows:
+            self.rows, self.cache, other.rows, other.cache = other.rows, other.cache, [], None
+            return
+        width = max(self.width, other.width)
+
+        def widened(states, columns):
+            return torch.cat([states.new_zeros((*states.shape[:2], columns - states.shape[2], *states.shape[3:])),
+                              states], dim=2)
+
+        with torch.no_grad():
+            for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+                if hasattr(mine, "wait_for_copies"):
+                    mine.wait_for_copies()  # a host layer: its copies in flight land before its tensors change
+                    theirs.wait_for_copies()
+                mine.keys = torch.cat([widened(mine.keys, width), widened(theirs.keys, width).to(mine.keys.device)])
+                mine.values = torch.cat([widened(mine.values, width),
+                                         widened(theirs.values, width).to(mine.values.device)])
+                if hasattr(mine, "cumulative_length"):
+                    mine.cumulative_length = mine.keys.shape[-2]
+        self.rows += other.rows
+        other.reset()
 
     def reset(self) -> None:
         """Drops every row (after a failed forward, the cache is not to be trusted)."""
@@ -177,6 +207,11 @@ class RunningBatch:
                 layer.keys, layer.values = change(layer.keys), change(layer.values)
                 if hasattr(layer, "cumulative_length"):
                     layer.cumulative_length = layer.keys.shape[-2]  # a sliding window's own count of tokens seen
+
+
+# RWKV's forward takes a `state` of its own, not a cache: what it would be handed, it would not use
+STATE_OF_ITS_OWN = ("zerolite serve batches sequences by their K/V columns, and this model keeps a state of its own "
+                    "instead of a cache: serve a model with attention layers only")
 
 
 def cache_columns_limit(cache) -> int | None:

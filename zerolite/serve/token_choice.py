@@ -53,3 +53,19 @@ class TokenChoice:
         if self.counts is not None:
             self.counts[token] += 1
         return token
+
+
+# generation-config fields whose logits processors transformers' generate adds and TokenChoice does not
+# apply, each with the value that adds none (GenerationMixin._get_logits_processor)
+NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0,
+           "min_new_tokens": 0, "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
+           "begin_suppress_tokens": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+           "guidance_scale": 1.0}
+NEUTRAL_SAMPLING = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+
+
+def rules_beyond_choice(generation_config) -> list[str]:
+    """The fields of a model's generation config that would make transformers' generate choose
+    other tokens than TokenChoice: the processors it adds for them."""
+    neutral = {**NEUTRAL, **(NEUTRAL_SAMPLING if generation_config.do_sample else {})}
+    return [name for name, value in neutral.items() if getattr(generation_config, name, value) not in (value, None)]
