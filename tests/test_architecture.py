@@ -27,6 +27,7 @@ LAYERS = [
     ("planner",),
     ("speculative",),
     ("lm",),
+    ("decoding",),
     ("generate",),
     ("serve",),
     ("profile",),

@@ -15,12 +15,12 @@ from support.cli_runner import assert_one_line_error, run
 from support.helpers import new_tokens_alone
 from support.tiny_models import save_ascii_tokenizer
 from zerolite.convert.writer import convert
+from zerolite.decoding.decoder import Decoder
 from zerolite.errors import ZeroliteError
 from zerolite.generate.continuous import ReleaseInOrder
 from zerolite.generate.prompts import Prompt, read_prompts
 from zerolite.generate.run import generate_all
 from zerolite.sampling import Sampling
-from zerolite.serve.decoder import Decoder
 
 BATCH = 3
 # (prompt length, its own max_new_tokens): the first batch's longest (16) outlives a short one (2)

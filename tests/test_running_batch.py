@@ -11,10 +11,10 @@ import zerolite
 from support.helpers import new_tokens_alone
 from support.simulated_device import SimulatedDevice, SimulatedEvent
 from support.tiny_models import save_ascii_tokenizer
+from zerolite.decoding.running_batch import Row, RunningBatch
+from zerolite.decoding.text_stream import TextStream
 from zerolite.errors import ZeroliteError
 from zerolite.runtime import kv_cache
-from zerolite.serve.running_batch import Row, RunningBatch
-from zerolite.serve.text_stream import TextStream
 
 NEW_TOKENS = 10
 LENGTHS = (5, 17, 2, 9, 30, 1)
@@ -156,7 +156,7 @@ def test_text_without_stop_strings_flows_token_by_token(ascii_tokenizer):
 
 
 def test_the_step_budget_settles_where_the_compute_meets_the_reads():
-    from zerolite.serve.step_budget import CEILING, StepBudget
+    from zerolite.decoding.step_budget import CEILING, StepBudget
 
     def step_s(tokens: int, read_s: float, per_token_s: float) -> float:
         return max(read_s, tokens * per_token_s)

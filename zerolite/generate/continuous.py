@@ -1,5 +1,5 @@
 """`zerolite generate --batching continuous`: a file's prompts through the server's decoding loop
-(serve.decoder), so that a prompt takes the place of one that finished at the next step instead
+(decoding.decoder), so that a prompt takes the place of one that finished at the next step instead
 of waiting for the longest of its batch to end.
 
     run_continuous(lm, prompts, encoded, todo, sampling, batch_size=8, on_batch=write, stats=stats, progress=bar)
@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from zerolite.decoding.decoder import Advance, Decoder
+from zerolite.decoding.running_batch import RunningBatch
+from zerolite.decoding.token_choice import rules_beyond_choice
+from zerolite.errors import ZeroliteError
 from zerolite.generate.prompts import Completion, Prompt
 from zerolite.generate.sequences import completion, sequence_for
 from zerolite.generate.stats import RunStats
 from zerolite.sampling import Sampling
-from zerolite.serve.decoder import Advance, Decoder
 from zerolite.text import end_token_ids
 
 
@@ -90,3 +93,31 @@ def count(stats: RunStats, prefilling: bool, seconds: float, tokens: int) -> Non
     stats.decode_s += seconds
     stats.decode_steps += 1
     stats.decode_tokens += tokens
+
+
+def choose_continuous(lm, batching: str | None, sampling: Sampling) -> bool:
+    if batching not in (None, "continuous", "static"):
+        raise ZeroliteError(f"`batching` must be continuous or static, got {batching!r}")
+    if batching == "static":
+        return False
+    reason = why_not_continuous(lm, sampling)
+    if reason is not None and batching == "continuous":
+        raise ZeroliteError(f"`batching` continuous cannot run here: {reason}; use `batching` static")
+    return reason is None
+
+
+def why_not_continuous(lm, sampling: Sampling) -> str | None:
+    """What keeps this job off the running batch, which decodes one token per row per step with
+    the server's token choice, over a cache of K/V columns; None: nothing."""
+    if lm.world.size > 1:
+        return "under torchrun the prompts are dealt out to the ranks batch by batch"
+    if lm.draft is not None:
+        return "a draft's speculative decoding runs one prompt at a time, through transformers' generate"
+    rules = rules_beyond_choice(sampling.generation_config(lm.generation_config, pad_id=0))
+    if rules:
+        return f"the model's generation config sets {', '.join(rules)}, which only transformers' generate applies"
+    try:
+        RunningBatch(lm, step_tokens=1)
+    except ZeroliteError:
+        return "this model keeps other state than attention's K/V columns"
+    return None

@@ -19,7 +19,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from zerolite.errors import ZeroliteError
-from zerolite.generate.continuous import run_continuous
+from zerolite.generate.continuous import choose_continuous, run_continuous
 from zerolite.generate.prompts import Completion, Prompt
 from zerolite.generate.sequences import RowsEnded, max_tokens, replay, sequence_for
 from zerolite.generate.stats import RunStats, StepClock
@@ -27,8 +27,6 @@ from zerolite.lm import OffloadedLM
 from zerolite.progress import token_progress
 from zerolite.runtime.batching import decide_batch_size, largest_batch
 from zerolite.sampling import Sampling
-from zerolite.serve.running_batch import RunningBatch
-from zerolite.serve.token_choice import rules_beyond_choice
 from zerolite.text import (
     PromptError,
     check_ids,
@@ -245,31 +243,3 @@ def check_context(lm: OffloadedLM, prompts: list[Prompt], encoded: list[list[int
             name = '"max_new_tokens"' if prompt.max_new_tokens else "`max_new_tokens`"
             raise ZeroliteError(f"{prompt.where} is {len(ids)} tokens; with {name} {new} it would run past "
                                 f"the model's context of {limit}: use {name} {limit - len(ids)} or less")
-
-
-def choose_continuous(lm: OffloadedLM, batching: str | None, sampling: Sampling) -> bool:
-    if batching not in (None, "continuous", "static"):
-        raise ZeroliteError(f"`batching` must be continuous or static, got {batching!r}")
-    if batching == "static":
-        return False
-    reason = why_not_continuous(lm, sampling)
-    if reason is not None and batching == "continuous":
-        raise ZeroliteError(f"`batching` continuous cannot run here: {reason}; use `batching` static")
-    return reason is None
-
-
-def why_not_continuous(lm: OffloadedLM, sampling: Sampling) -> str | None:
-    """What keeps this job off the running batch, which decodes one token per row per step with
-    the server's token choice, over a cache of K/V columns; None: nothing."""
-    if lm.world.size > 1:
-        return "under torchrun the prompts are dealt out to the ranks batch by batch"
-    if lm.draft is not None:
-        return "a draft's speculative decoding runs one prompt at a time, through transformers' generate"
-    rules = rules_beyond_choice(sampling.generation_config(lm.generation_config, pad_id=0))
-    if rules:
-        return f"the model's generation config sets {', '.join(rules)}, which only transformers' generate applies"
-    try:
-        RunningBatch(lm, step_tokens=1)
-    except ZeroliteError:
-        return "this model keeps other state than attention's K/V columns"
-    return None

@@ -14,11 +14,11 @@ import dataclasses
 import torch
 from transformers import StoppingCriteria
 
+from zerolite.decoding.decoder import Sequence
+from zerolite.decoding.text_stream import TextStream
+from zerolite.decoding.token_choice import SEEDS, TokenChoice
 from zerolite.generate.prompts import Completion, Prompt
 from zerolite.sampling import Sampling
-from zerolite.serve.decoder import Sequence
-from zerolite.serve.text_stream import TextStream
-from zerolite.serve.token_choice import SEEDS, TokenChoice
 
 
 def sequence_for(lm, prompt: Prompt, position: int, ids: list[int], sampling: Sampling,

@@ -25,8 +25,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from zerolite.decoding.decoder import Advance, Decoder, Sequence
 from zerolite.errors import describe
-from zerolite.serve.decoder import Advance, Decoder, Sequence
 from zerolite.serve.metrics import ServeMetrics
 
 
@@ -87,7 +87,7 @@ class ShuttingDown(Exception):
 class DecodeLoop:
     def __init__(self, lm, max_batch: int, max_queue: int, step_tokens: int | None, metrics: ServeMetrics):
         """step_tokens: the most tokens a step computes over the batch; None: as many as hide
-        under the step's reads (zerolite.serve.step_budget)."""
+        under the step's reads (zerolite.decoding.step_budget)."""
         self.lm = lm
         self.max_batch = max_batch
         self.max_queue = max_queue

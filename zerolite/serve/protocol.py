@@ -26,10 +26,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from zerolite.decoding.decoder import Sequence
+from zerolite.decoding.text_stream import TextStream
+from zerolite.decoding.token_choice import TokenChoice
 from zerolite.sampling import Sampling
-from zerolite.serve.decoder import Sequence
-from zerolite.serve.text_stream import TextStream
-from zerolite.serve.token_choice import TokenChoice
 from zerolite.text import PromptError, check_ids, encode_chat, encode_text
 
 MAX_N = 16                 # choices per request

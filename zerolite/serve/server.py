@@ -23,6 +23,8 @@ from pathlib import Path
 
 import uvicorn
 
+from zerolite.decoding.running_batch import cache_columns_limit
+from zerolite.decoding.step_budget import START as STEP_BUDGET_START
 from zerolite.errors import ZeroliteError
 from zerolite.runtime.batching import decide_batch_size, largest_batch
 from zerolite.serve.app import build_app
@@ -30,8 +32,6 @@ from zerolite.serve.decode_loop import DecodeLoop
 from zerolite.serve.metrics import ServeMetrics
 from zerolite.serve.protocol import ServedModel
 from zerolite.serve.request_guards import is_loopback
-from zerolite.serve.running_batch import cache_columns_limit
-from zerolite.serve.step_budget import START as STEP_BUDGET_START
 from zerolite.text import context_length, end_token_ids
 
 AUTO_BATCH_CAP = 64            # --max-batch auto: no more rows than this, whatever the memory holds
@@ -48,7 +48,7 @@ class ServeSettings:
     max_batch: int | None = None      # None: auto, what the memory holds
     max_queue: int = 256              # sequences that may wait beyond the batch's free places
     step_tokens: int | None = None    # tokens one step computes over the whole batch (bounds prefill chunks);
-                                      # None: as many as hide under the step's reads (zerolite.serve.step_budget)
+                                      # None: as many as hide under the step's reads (zerolite.decoding.step_budget)
     max_context: int | None = None    # tokens per sequence (default: the model's context)
     max_tokens: int | None = None     # completion tokens per request (default: the context)
     max_request_bytes: int = 1 << 20

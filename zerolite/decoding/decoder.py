@@ -28,10 +28,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from zerolite.serve.running_batch import Row, RunningBatch
-from zerolite.serve.step_budget import StepBudget
-from zerolite.serve.text_stream import TextStream
-from zerolite.serve.token_choice import TokenChoice
+from zerolite.decoding.running_batch import Row, RunningBatch
+from zerolite.decoding.step_budget import StepBudget
+from zerolite.decoding.text_stream import TextStream
+from zerolite.decoding.token_choice import TokenChoice
 
 WHOLE_PROMPTS = 1 << 30   # a step budget that feeds every joining prompt whole in one forward
 
@@ -84,7 +84,7 @@ class Advance:
 class Decoder:
     def __init__(self, lm, max_batch: int, step_tokens: int | None, prefill_apart: bool = False):
         """step_tokens: the most tokens a step computes over the batch; None: as many as hide
-        under the step's reads (zerolite.serve.step_budget). prefill_apart: joining prompts are fed
+        under the step's reads (zerolite.decoding.step_budget). prefill_apart: joining prompts are fed
         whole in a forward of their own (join), not in the batch's steps."""
         self.lm = lm
         self.max_batch = max_batch
