@@ -122,4 +122,15 @@ NB_MODULE(_engine, m) {
       },
       "x"_a, "rows"_a, "x_stride"_a, "y"_a, "y_stride"_a, "q"_a, "out_features"_a, "in_features"_a, "scale"_a,
       "path"_a, "threads"_a, nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "bf16_matmul",
+      [](std::uintptr_t x, std::int64_t rows, std::int64_t x_stride, std::uintptr_t y, std::int64_t y_stride,
+         std::uintptr_t w, std::int64_t out_features, std::int64_t in_features, int path, int threads) {
+        zerolite::Bf16Weight weight{reinterpret_cast<const std::uint16_t*>(w), out_features, in_features};
+        zerolite::Bf16Rows r{reinterpret_cast<const std::uint16_t*>(x), rows, x_stride,
+                             reinterpret_cast<std::uint16_t*>(y), y_stride};
+        zerolite::bf16_matmul(weight, r, static_cast<zerolite::CpuPath>(path), threads);
+      },
+      "x"_a, "rows"_a, "x_stride"_a, "y"_a, "y_stride"_a, "w"_a, "out_features"_a, "in_features"_a, "path"_a,
+      "threads"_a, nb::call_guard<nb::gil_scoped_release>());
 }

@@ -407,13 +407,12 @@ void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) 
   int64_t blocks = (w.out_features + w.block_rows - 1) / w.block_rows;
   void (*block)(const Int4Weight&, const Block&, const Rows&) = block_scalar;
 #ifdef ZEROLITE_X86
-  if (path == CpuPath::avx512vnni && w.group_size % X_BLOCK == 0) {
+  if (path >= CpuPath::avx512vnni && w.group_size % X_BLOCK == 0) {
     const QuantizedRows xq = quantize_rows(w, r);
     kernel_pool().run(threads, blocks, [&](int64_t index) { block_vnni(w, block_at(w, index), r, xq); });
     return;
   }
-  if (path == CpuPath::avx512vnni) block = block_avx512;
-  if (path == CpuPath::avx512) block = block_avx512;
+  if (path >= CpuPath::avx512) block = block_avx512;
   if (path == CpuPath::avx2) block = block_avx2;
 #endif
   kernel_pool().run(threads, blocks, [&](int64_t index) { block(w, block_at(w, index), r); });

@@ -1,4 +1,4 @@
-"""zerolite's CPU kernels for int4 and int8 weights (zerolite.quant.cpu_kernels): every path this
+"""zerolite's CPU kernels for int4, int8 and bf16 weights (zerolite.quant.cpu_kernels): every path this
 CPU runs, forced with ZEROLITE_CPU_KERNEL, against the fp32 matmul of the same weights
 dequantised, on shapes that reach each tail: a last block of fewer output rows (16, 48), a
 partial last group, widths that are no multiple of a vector, and row counts off the tiles."""
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from zerolite.errors import ZeroliteError
-from zerolite.quant import cpu_kernels
+from zerolite.quant import bf16_linear, cpu_kernels
+from zerolite.quant.bf16_linear import Bf16KernelLinear, use_bf16_kernel
 from zerolite.quant.int4_packing import CANDIDATES, Int4Packing, pack_int4, unpack_int4
 from zerolite.quant.linear import dequantize_int4
 from zerolite.quant.quantize import quantize_int4, quantize_int8
@@ -19,6 +20,7 @@ PATHS = cpu_kernels.supported_paths()
 # after whole blocks of 64; in with a partial last group, or odd.
 INT4_SHAPES = [(64, 64, 32), (80, 100, 32), (48, 70, 64), (112, 33, 32), (192, 576, 128), (16, 129, 64)]
 INT8_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (192, 576), (130, 1537)]
+BF16_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (130, 1537)]  # out off the runs of 4, in off 8, 16 and 32
 ROW_COUNTS = [1, 3, 4, 6, 9]
 RELATIVE = 2e-6  # fp32 sums in another order: a few ulps of the largest output
 ROUNDED_RELATIVE = 1e-2  # x rounded to int8 per 32 columns: about 0.5% measured
@@ -87,6 +89,40 @@ def test_int8_computes_what_its_weights_dequantise_to(path, shape):
     for rows in ROW_COUNTS:
         x = torch.randn(rows, inp, generator=generator)
         assert_close(cpu_kernels.int8_matmul(x, q, scale), x @ weight.t(), inp)
+
+
+@pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bf16_computes_its_fp32_sums_rounded_to_bf16(path, shape):
+    """Every path sums bf16 products in fp32 (dpbf16's products of bf16 pairs are exact): the
+    outputs are the exact sums to within bf16's rounding of them."""
+    out, inp = shape
+    generator = torch.Generator().manual_seed(out * inp)
+    weight = torch.randn(out, inp, generator=generator).bfloat16()
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, inp, generator=generator).bfloat16()
+        got, exact = cpu_kernels.bf16_matmul(x, weight), x.float() @ weight.float().t()
+        assert got.dtype == torch.bfloat16
+        tolerance = 2 ** -8 * exact.abs() + RELATIVE * inp ** 0.5 * exact.abs().max()
+        assert ((got.float() - exact).abs() <= tolerance).all(), ((got.float() - exact).abs() - tolerance).max()
+
+
+def test_a_cpu_bf16_linear_takes_the_kernel_for_few_rows_and_torch_for_many(monkeypatch):
+    """use_bf16_kernel keeps each Linear's parameters (tied weights stay tied); bf16 calls of
+    fewer than KERNEL_ROWS rows take the kernel, others (and fp32 ones) F.linear, with the bias."""
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(24, 40, bias=False)).bfloat16()
+    model[1].weight = torch.nn.Parameter(model[0].weight.t().contiguous())
+    weights = [module.weight for module in model]
+    use_bf16_kernel(model)
+    assert all(isinstance(module, Bf16KernelLinear) for module in model)
+    assert [module.weight for module in model] == weights
+    kernel, calls = bf16_linear.bf16_matmul, []
+    monkeypatch.setattr(bf16_linear, "bf16_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    for shape in [(1, 40), (3, 5, 40), (bf16_linear.KERNEL_ROWS, 40)]:
+        x = torch.randn(shape).bfloat16()
+        expected = torch.nn.functional.linear(x.float(), model[0].weight.float(), model[0].bias.float())
+        assert torch.allclose(model[0](x).float(), expected, rtol=2 ** -7, atol=1e-2)
+    assert calls == [1, 15]
+    assert model.float()[0](torch.randn(2, 40)).dtype == torch.float32 and calls == [1, 15]
 
 
 def test_the_kernels_take_rows_of_any_layout_and_dtype(path):

@@ -3,6 +3,7 @@ they read the weights as a layout stores them, take fp32 rows and give fp32 rows
 
     y = int4_matmul(x, packed, scale_zero, out_features, group_size, packing)   # x: [rows, in] fp32
     y = int8_matmul(x, q, scale)
+    y = bf16_matmul(x, weight)                                                    # x, weight, y: bf16
     dequantize_int4_transposed(out, packed, scale_zero, group_size, packing)      # out: [in, out] bf16 or fp32
 
 Each kernel has a path per instruction set (AVX-512, AVX2 with FMA, plain C++), chosen at run time
@@ -28,7 +29,8 @@ from zerolite.errors import ZeroliteError
 from zerolite.quant.int4_packing import Int4Packing
 
 PATH_VARIABLE = "ZEROLITE_CPU_KERNEL"
-ROUNDS_ACTIVATIONS = ("avx512vnni",)  # int4 there: x rounded to int8 per 32 columns, as llama.cpp does
+# int4 and int8 there: x rounded to int8 per 32 columns, as llama.cpp does (avx512bf16 includes avx512vnni)
+ROUNDS_ACTIVATIONS = ("avx512vnni", "avx512bf16")
 
 
 def supported_paths() -> list[str]:
@@ -130,4 +132,21 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
     _engine.int8_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, q.data_ptr(),
                         out_features, in_features, scale.data_ptr(), kernel_path(), torch.get_num_threads())
+    return y
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ weight.t(), all bf16 (fp32 sums, rounded to bf16 as torch's matmul rounds).
+    weight: bf16 [out, in], contiguous. For a few rows: each weight row is read once for every
+    4 rows of x, where a matmul of many rows (AMX, oneDNN's blocking) is torch's to run."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(f"a bf16 weight must be a contiguous CPU bf16 [out, in]: {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"rows must be a CPU tensor [rows, {in_features}], not {tuple(x.shape)} on {x.device}")
+    x = x.to(torch.bfloat16).contiguous()
+    y = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+    _engine.bf16_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, weight.data_ptr(),
+                        out_features, in_features, kernel_path(exact=False), torch.get_num_threads())
     return y
