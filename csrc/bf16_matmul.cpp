@@ -4,8 +4,8 @@
 // sums, rounded to bf16 at the end (to nearest even, as torch rounds). The work is split by runs
 // of output rows.
 #include <algorithm>
-#include <cstring>
 
+#include "bf16_bits.h"
 #include "cpu_matmul.h"
 #include "work_pool.h"
 
@@ -19,28 +19,14 @@ namespace {
 
 constexpr int64_t TASK_ROWS = 64;  // output rows a task takes: enough tasks to balance the threads
 
-inline float widen(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, 4);
-  return value;
-}
-
-inline uint16_t narrow(float value) {  // to nearest even; a NaN stays a NaN
-  uint32_t word;
-  std::memcpy(&word, &value, 4);
-  if ((word & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
-  return static_cast<uint16_t>((word + 0x7FFFu + ((word >> 16) & 1)) >> 16);
-}
-
 void rows_scalar(const Bf16Weight& w, const Bf16Rows& r, int64_t first, int64_t last) {
   for (int64_t m = 0; m < r.count; ++m) {
     const uint16_t* x = r.x + m * r.x_stride;
     for (int64_t n = first; n < last; ++n) {
       const uint16_t* row = w.w + n * w.in_features;
       float sum = 0.0f;
-      for (int64_t k = 0; k < w.in_features; ++k) sum += widen(row[k]) * widen(x[k]);
-      r.y[m * r.y_stride + n] = narrow(sum);
+      for (int64_t k = 0; k < w.in_features; ++k) sum += widen_bf16(row[k]) * widen_bf16(x[k]);
+      r.y[m * r.y_stride + n] = narrow_bf16(sum);
     }
   }
 }
@@ -72,7 +58,7 @@ ZEROLITE_AVX512BF16 void tile_bf16(const Bf16Weight& w, const Bf16Rows& r, int64
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 16
-    for (int n = 0; n < N; ++n) r.y[(m0 + m) * r.y_stride + n0 + n] = narrow(_mm512_reduce_add_ps(acc[m][n]));
+    for (int n = 0; n < N; ++n) r.y[(m0 + m) * r.y_stride + n0 + n] = narrow_bf16(_mm512_reduce_add_ps(acc[m][n]));
 }
 
 ZEROLITE_AVX512 inline __m512 widen_avx512(__mmask16 mask, const uint16_t* p) {
@@ -102,7 +88,7 @@ ZEROLITE_AVX512 void tile_avx512(const Bf16Weight& w, const Bf16Rows& r, int64_t
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 16
-    for (int n = 0; n < N; ++n) r.y[(m0 + m) * r.y_stride + n0 + n] = narrow(_mm512_reduce_add_ps(acc[m][n]));
+    for (int n = 0; n < N; ++n) r.y[(m0 + m) * r.y_stride + n0 + n] = narrow_bf16(_mm512_reduce_add_ps(acc[m][n]));
 }
 
 ZEROLITE_AVX2 inline __m256 widen_avx2(const uint16_t* p) {
@@ -144,8 +130,8 @@ ZEROLITE_AVX2 void tile_avx2(const Bf16Weight& w, const Bf16Rows& r, int64_t m0,
     for (int n = 0; n < N; ++n) {
       const uint16_t* row = w.w + (n0 + n) * in;
       float sum = sum_avx2(acc[m][n]);
-      for (int64_t k = whole; k < in; ++k) sum += widen(row[k]) * widen(x[k]);
-      r.y[(m0 + m) * r.y_stride + n0 + n] = narrow(sum);
+      for (int64_t k = whole; k < in; ++k) sum += widen_bf16(row[k]) * widen_bf16(x[k]);
+      r.y[(m0 + m) * r.y_stride + n0 + n] = narrow_bf16(sum);
     }
   }
 }

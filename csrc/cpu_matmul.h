@@ -49,6 +49,10 @@ struct Rows {
   int64_t count, x_stride;
   float* y;
   int64_t y_stride;
+  // Or bf16 rows in and out (x and y then null): the avx512vnni paths read and write them as they
+  // are (no conversion either side of a call); elsewhere they go through fp32 copies.
+  const uint16_t* x_bf16 = nullptr;
+  uint16_t* y_bf16 = nullptr;
 };
 
 void int4_matmul(const Int4Weight& weight, const Rows& rows, CpuPath path, int threads);

@@ -17,8 +17,8 @@ from torch import nn
 
 from zerolite.quant.cpu_kernels import bf16_matmul
 
-# Below this many rows the kernel beats torch's bf16 matmul (docs/benchmarks-cpu-kernels.md).
-KERNEL_ROWS = 16
+# Below this many rows the kernel beats torch's bf16 matmul (docs/benchmarks-cpu-kernels.md): from 4 on, level.
+KERNEL_ROWS = 4
 
 
 class Bf16KernelLinear(nn.Linear):
