@@ -1,6 +1,6 @@
-"""zerolite's own CPU kernels for int4 and int8 weights (csrc/int4_matmul.cpp, csrc/int8_matmul.cpp):
-they read the weights as a layout stores them, take fp32 rows and give fp32 rows (bf16 ones where the
-path rounds them to int8 anyway).
+"""zerolite's own CPU kernels for int4, int8 and bf16 weights (csrc/int4_matmul.cpp, csrc/int8_matmul.cpp,
+csrc/bf16_matmul.cpp): they read the weights as a layout stores them, take fp32 rows and give fp32
+rows (bf16 ones where the path rounds them to int8 anyway, and for bf16 weights).
 
     y = int4_matmul(x, packed, scale_zero, out_features, group_size, packing)   # x: [rows, in] fp32 or bf16
     y = int8_matmul(x, q, scale)
