@@ -13,7 +13,7 @@ from zerolite.quant import bf16_linear, cpu_kernels
 from zerolite.quant.bf16_linear import Bf16KernelLinear, use_bf16_kernel
 from zerolite.quant.int4_packing import CANDIDATES, Int4Packing, pack_int4, unpack_int4
 from zerolite.quant.linear import dequantize_int4
-from zerolite.quant.quantize import quantize_int4, quantize_int8
+from zerolite.quant.quantize import LinearShape, linear_shape, quantize_int4, quantize_int8
 
 PATHS = cpu_kernels.supported_paths()
 # (out, in, group): out a multiple of 16 (the packer's), its last block of 16, 32 or 48 rows
@@ -143,6 +143,7 @@ def test_a_cpu_bf16_linear_takes_the_kernel_for_few_rows_and_torch_for_many(monk
     use_bf16_kernel(model)
     assert all(isinstance(module, Bf16KernelLinear) for module in model)
     assert [module.weight for module in model] == weights
+    assert linear_shape(model[0]) == LinearShape(24, 40, transposed=False)  # still a plain product to quantize
     kernel, calls = bf16_linear.bf16_matmul, []
     monkeypatch.setattr(bf16_linear, "bf16_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     few = bf16_linear.KERNEL_ROWS - 1
