@@ -28,6 +28,15 @@ void raise_os_error(PyObject* type, const zerolite::IoError& e) {
   Py_XDECREF(args);
 }
 
+// Rows of x and y at these addresses: fp32, or bf16 where bf16_rows.
+zerolite::Rows rows_of(std::uintptr_t x, std::int64_t rows, std::int64_t x_stride, std::uintptr_t y,
+                       std::int64_t y_stride, bool bf16_rows) {
+  if (!bf16_rows)
+    return zerolite::Rows{reinterpret_cast<const float*>(x), rows, x_stride, reinterpret_cast<float*>(y), y_stride};
+  return zerolite::Rows{nullptr, rows, x_stride, nullptr, y_stride, reinterpret_cast<const std::uint16_t*>(x),
+                        reinterpret_cast<std::uint16_t*>(y)};
+}
+
 }  // namespace
 
 NB_MODULE(_engine, m) {
@@ -86,16 +95,16 @@ NB_MODULE(_engine, m) {
       [](std::uintptr_t x, std::int64_t rows, std::int64_t x_stride, std::uintptr_t y, std::int64_t y_stride,
          std::uintptr_t packed, std::int64_t out_features, std::int64_t in_features, std::int64_t stored_in,
          int group_size, int block_rows, bool halves, std::uintptr_t scale_zero, bool bf16_scales, int path,
-         int threads) {
+         int threads, bool bf16_rows) {
         zerolite::Int4Weight weight{reinterpret_cast<const std::uint8_t*>(packed), out_features, in_features,
                                     stored_in, group_size, block_rows, halves,
                                     reinterpret_cast<const void*>(scale_zero), bf16_scales};
-        zerolite::Rows r{reinterpret_cast<const float*>(x), rows, x_stride, reinterpret_cast<float*>(y), y_stride};
-        zerolite::int4_matmul(weight, r, static_cast<zerolite::CpuPath>(path), threads);
+        zerolite::int4_matmul(weight, rows_of(x, rows, x_stride, y, y_stride, bf16_rows),
+                              static_cast<zerolite::CpuPath>(path), threads);
       },
       "x"_a, "rows"_a, "x_stride"_a, "y"_a, "y_stride"_a, "packed"_a, "out_features"_a, "in_features"_a,
       "stored_in"_a, "group_size"_a, "block_rows"_a, "halves"_a, "scale_zero"_a, "bf16_scales"_a, "path"_a,
-      "threads"_a, nb::call_guard<nb::gil_scoped_release>());
+      "threads"_a, "bf16_rows"_a, nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "int4_dequantize_transposed",
       [](std::uintptr_t out, bool bf16, std::uintptr_t packed, std::int64_t out_features, std::int64_t in_features,
@@ -114,12 +123,23 @@ NB_MODULE(_engine, m) {
       "int8_matmul",
       [](std::uintptr_t x, std::int64_t rows, std::int64_t x_stride, std::uintptr_t y, std::int64_t y_stride,
          std::uintptr_t q, std::int64_t out_features, std::int64_t in_features, std::uintptr_t scale, int path,
-         int threads) {
+         int threads, bool bf16_rows) {
         zerolite::Int8Weight weight{reinterpret_cast<const std::int8_t*>(q), out_features, in_features,
                                     reinterpret_cast<const float*>(scale)};
-        zerolite::Rows r{reinterpret_cast<const float*>(x), rows, x_stride, reinterpret_cast<float*>(y), y_stride};
-        zerolite::int8_matmul(weight, r, static_cast<zerolite::CpuPath>(path), threads);
+        zerolite::int8_matmul(weight, rows_of(x, rows, x_stride, y, y_stride, bf16_rows),
+                              static_cast<zerolite::CpuPath>(path), threads);
       },
       "x"_a, "rows"_a, "x_stride"_a, "y"_a, "y_stride"_a, "q"_a, "out_features"_a, "in_features"_a, "scale"_a,
-      "path"_a, "threads"_a, nb::call_guard<nb::gil_scoped_release>());
+      "path"_a, "threads"_a, "bf16_rows"_a, nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "bf16_matmul",
+      [](std::uintptr_t x, std::int64_t rows, std::int64_t x_stride, std::uintptr_t y, std::int64_t y_stride,
+         std::uintptr_t w, std::int64_t out_features, std::int64_t in_features, int path, int threads) {
+        zerolite::Bf16Weight weight{reinterpret_cast<const std::uint16_t*>(w), out_features, in_features};
+        zerolite::Bf16Rows r{reinterpret_cast<const std::uint16_t*>(x), rows, x_stride,
+                             reinterpret_cast<std::uint16_t*>(y), y_stride};
+        zerolite::bf16_matmul(weight, r, static_cast<zerolite::CpuPath>(path), threads);
+      },
+      "x"_a, "rows"_a, "x_stride"_a, "y"_a, "y_stride"_a, "w"_a, "out_features"_a, "in_features"_a, "path"_a,
+      "threads"_a, nb::call_guard<nb::gil_scoped_release>());
 }

@@ -10,10 +10,13 @@
 
 namespace zerolite {
 
-// avx512vnni (int4 only; int8 runs avx512 there) quantizes the rows of x to int8 in blocks of 32
-// columns, as llama.cpp does, and multiplies integers: four times the weights a cycle, at the
-// cost of the activations' rounding. The others compute in fp32 exactly as the weights dequantise.
-enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3 };
+// Each path is a level of instruction set, each level including the ones below it: a kernel takes
+// the best of its own paths at or below the level it is given. avx512vnni (int4 and int8)
+// quantizes the rows of x to int8 in blocks of 32 columns, as llama.cpp does, and multiplies
+// integers: four times the weights a cycle, at the cost of the activations' rounding.
+// avx512bf16 adds the bf16 kernel's dot products of bf16 pairs (int4 and int8 take avx512vnni
+// there). The others compute in fp32 exactly as the weights dequantise.
+enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3, avx512bf16 = 4 };
 
 // The paths this CPU can run, best last (scalar always).
 std::vector<std::string> supported_cpu_paths();
@@ -46,6 +49,10 @@ struct Rows {
   int64_t count, x_stride;
   float* y;
   int64_t y_stride;
+  // Or bf16 rows in and out (x and y then null): the avx512vnni paths read and write them as they
+  // are (no conversion either side of a call); elsewhere they go through fp32 copies.
+  const uint16_t* x_bf16 = nullptr;
+  uint16_t* y_bf16 = nullptr;
 };
 
 void int4_matmul(const Int4Weight& weight, const Rows& rows, CpuPath path, int threads);
@@ -56,6 +63,21 @@ void int4_matmul(const Int4Weight& weight, const Rows& rows, CpuPath path, int t
 void int4_dequantize_transposed(const Int4Weight& weight, void* out, bool bf16, CpuPath path, int threads);
 void int8_matmul(const Int8Weight& weight, const Rows& rows, CpuPath path, int threads);
 
+// bf16: w [out, in] row-major; rows of x and of y in bf16 (y rounded to nearest even).
+struct Bf16Weight {
+  const uint16_t* w;
+  int64_t out_features, in_features;
+};
+
+struct Bf16Rows {
+  const uint16_t* x;
+  int64_t count, x_stride;
+  uint16_t* y;
+  int64_t y_stride;
+};
+
+void bf16_matmul(const Bf16Weight& weight, const Bf16Rows& rows, CpuPath path, int threads);
+
 }  // namespace zerolite
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -63,4 +85,6 @@ void int8_matmul(const Int8Weight& weight, const Rows& rows, CpuPath path, int t
 #define ZEROLITE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define ZEROLITE_AVX2 __attribute__((target("avx2,fma")))
 #define ZEROLITE_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma")))
+#define ZEROLITE_AVX512BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,avx2,fma")))
 #endif

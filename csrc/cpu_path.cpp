@@ -14,6 +14,7 @@ std::vector<std::string> supported_cpu_paths() {
     paths.push_back("avx512");
   if (paths.back() == "avx512" && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi"))
     paths.push_back("avx512vnni");
+  if (paths.back() == "avx512vnni" && __builtin_cpu_supports("avx512bf16")) paths.push_back("avx512bf16");
 #endif
   return paths;
 }
@@ -21,6 +22,7 @@ std::vector<std::string> supported_cpu_paths() {
 CpuPath cpu_path_named(const std::string& name) {
   for (const auto& path : supported_cpu_paths()) {
     if (path != name) continue;
+    if (name == "avx512bf16") return CpuPath::avx512bf16;
     if (name == "avx512vnni") return CpuPath::avx512vnni;
     if (name == "avx512") return CpuPath::avx512;
     if (name == "avx2") return CpuPath::avx2;

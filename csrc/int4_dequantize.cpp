@@ -106,7 +106,7 @@ void int4_dequantize_transposed(const Int4Weight& w, void* out, bool bf16, CpuPa
   kernel_pool().run(threads, blocks, [&](int64_t index) {
     Block b = block_at(w, index);
 #ifdef ZEROLITE_X86
-    if ((path == CpuPath::avx512 || path == CpuPath::avx512vnni) && b.halves && b.rows % 32 == 0) {
+    if (path >= CpuPath::avx512 && b.halves && b.rows % 32 == 0) {
       block_halves_avx512(w, b, out, bf16);
       return;
     }

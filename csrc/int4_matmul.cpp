@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "cpu_matmul.h"
 #include "int4_blocks.h"
 #include "work_pool.h"
@@ -262,6 +263,7 @@ struct QuantizedRows {
 };
 
 constexpr int X_BLOCK = 32;
+constexpr int64_t SCALES_AHEAD = 4;  // groups
 
 QuantizedRows quantize_rows(const Int4Weight& w, const Rows& r) {
   QuantizedRows out;
@@ -271,8 +273,13 @@ QuantizedRows quantize_rows(const Int4Weight& w, const Rows& r) {
   out.step.assign(r.count * (out.padded / X_BLOCK), 0.0f);
   out.q_sums.assign(r.count * (out.padded / X_BLOCK), 0);
   out.sums.assign(r.count * out.groups, 0.0f);
+  std::vector<float> widened(r.x_bf16 ? w.in_features : 0);
   for (int64_t m = 0; m < r.count; ++m) {
     const float* x = r.x + m * r.x_stride;
+    if (r.x_bf16) {
+      for (int64_t k = 0; k < w.in_features; ++k) widened[k] = widen_bf16(r.x_bf16[m * r.x_stride + k]);
+      x = widened.data();
+    }
     for (int64_t k0 = 0; k0 < w.in_features; k0 += X_BLOCK) {
       int64_t end = std::min<int64_t>(k0 + X_BLOCK, w.in_features);
       float largest = 0.0f;
@@ -298,7 +305,7 @@ QuantizedRows quantize_rows(const Int4Weight& w, const Rows& r) {
 
 template <int M>
 ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const QuantizedRows& xq, int64_t m0,
-                                   float* y, int64_t y_stride) {
+                                   const Rows& r) {
   const __m512i low_nibble = _mm512_set1_epi8(15);
   alignas(64) int8_t order[64];
   for (int j = 0; j < 16; ++j) {
@@ -316,6 +323,13 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const Qu
     if (k0 >= w.in_features) break;
     __m512 scale[4], zero[4];
     const int32_t* words = static_cast<const int32_t*>(w.scale_zero) + g * w.out_features + b.row0;
+    if (g + SCALES_AHEAD < xq.groups) {
+      // A group's scales lie a whole row of scales from the last's (another page each time), where
+      // the prefetchers do not follow: fetched SCALES_AHEAD groups before they are needed.
+      const char* ahead = reinterpret_cast<const char*>(w.scale_zero) +
+                          ((g + SCALES_AHEAD) * w.out_features + b.row0) * 2 * (w.bf16_scales ? 2 : 4);
+      for (int line = 0; line < (w.bf16_scales ? 4 : 8); ++line) __builtin_prefetch(ahead + 64 * line);
+    }
 #pragma GCC unroll 16
     for (int i = 0; i < 4; ++i) {
       __m512 s, z;
@@ -381,7 +395,13 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const Qu
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 16
-    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(y + (m0 + m) * y_stride + b.row0 + 16 * i, _mm512_load_ps(sum[m] + 16 * i));
+    for (int i = 0; i < 4; ++i) {
+      const int64_t at = (m0 + m) * r.y_stride + b.row0 + 16 * i;
+      if (r.y_bf16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.y_bf16 + at), narrow_bf16_avx512(_mm512_load_ps(sum[m] + 16 * i)));
+      else
+        _mm512_storeu_ps(r.y + at, _mm512_load_ps(sum[m] + 16 * i));
+    }
 }
 
 void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const QuantizedRows& xq) {
@@ -390,11 +410,11 @@ void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const Quanti
     return;
   }
   int64_t m = 0;
-  for (; m + 4 <= r.count; m += 4) tile_vnni<4>(w, b, xq, m, r.y, r.y_stride);
+  for (; m + 4 <= r.count; m += 4) tile_vnni<4>(w, b, xq, m, r);
   switch (r.count - m) {
-    case 3: tile_vnni<3>(w, b, xq, m, r.y, r.y_stride); break;
-    case 2: tile_vnni<2>(w, b, xq, m, r.y, r.y_stride); break;
-    case 1: tile_vnni<1>(w, b, xq, m, r.y, r.y_stride); break;
+    case 3: tile_vnni<3>(w, b, xq, m, r); break;
+    case 2: tile_vnni<2>(w, b, xq, m, r); break;
+    case 1: tile_vnni<1>(w, b, xq, m, r); break;
     default: break;
   }
 }
@@ -407,13 +427,22 @@ void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) 
   int64_t blocks = (w.out_features + w.block_rows - 1) / w.block_rows;
   void (*block)(const Int4Weight&, const Block&, const Rows&) = block_scalar;
 #ifdef ZEROLITE_X86
-  if (path == CpuPath::avx512vnni && w.group_size % X_BLOCK == 0) {
+  // bf16 rows as they are where every block takes the vnni tile (64-row "halves" blocks, whole)
+  const bool vnni = path >= CpuPath::avx512vnni && w.group_size % X_BLOCK == 0;
+  if (r.x_bf16 && !(vnni && w.halves && w.block_rows == 64 && w.out_features % 64 == 0)) {
+#else
+  if (r.x_bf16) {
+#endif
+    through_fp32(r, w.in_features, w.out_features, [&](const Rows& rows) { int4_matmul(w, rows, path, threads); });
+    return;
+  }
+#ifdef ZEROLITE_X86
+  if (vnni) {
     const QuantizedRows xq = quantize_rows(w, r);
     kernel_pool().run(threads, blocks, [&](int64_t index) { block_vnni(w, block_at(w, index), r, xq); });
     return;
   }
-  if (path == CpuPath::avx512vnni) block = block_avx512;
-  if (path == CpuPath::avx512) block = block_avx512;
+  if (path >= CpuPath::avx512) block = block_avx512;
   if (path == CpuPath::avx2) block = block_avx2;
 #endif
   kernel_pool().run(threads, blocks, [&](int64_t index) { block(w, block_at(w, index), r); });

@@ -1,8 +1,13 @@
 // int8 weight-only matmul: each output is a dot product along a stored row, widened to fp32 16
 // (AVX-512) or 8 (AVX2) columns at a time; a tile of 4 weight rows by up to 4 rows of x shares
-// every load. The work is split by runs of output rows.
+// every load. avx512vnni instead rounds x to int8 per 32 columns (as llama.cpp's Q8_0 does) and
+// multiplies bytes. The work is split by runs of output rows.
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
 
+#include "bf16_bits.h"
 #include "cpu_matmul.h"
 #include "work_pool.h"
 
@@ -117,17 +122,139 @@ void rows_avx2(const Int8Weight& w, const Rows& r, int64_t first, int64_t last) 
   for (; n < last; ++n) rows_of_x_avx2<1>(w, r, n);
 }
 
+// avx512vnni: vpdpbusd multiplies unsigned bytes by signed ones, so the weights go in as w + 128
+// (one xor) and x's int8 as the signed side: a lane's sum is q.w + 128 * (the sum of its four q),
+// and the 128 * sum(q) of a whole row, times each block's step, is taken off once at the end.
+// 64 columns a step (two blocks of x: lanes 0-7 the first's, 8-15 the second's, each lane scaled
+// by its block's step), the last one masked; x's padding to 64 columns is zero.
+constexpr int X_BLOCK = 32, STEP = 64;
+
+struct QuantizedRows {
+  std::vector<int8_t> q;         // [rows, padded]
+  std::vector<float> step;       // [rows, padded / STEP, 16]: each lane's block's step
+  std::vector<float> offset;     // [rows]: 128 * sum over blocks of step * sum(q)
+  int64_t padded = 0;
+};
+
+QuantizedRows quantize_rows(const Rows& r, int64_t in) {
+  QuantizedRows out;
+  out.padded = (in + STEP - 1) / STEP * STEP;
+  const int64_t steps = out.padded / STEP;
+  out.q.assign(r.count * out.padded, 0);
+  out.step.assign(r.count * steps * 16, 0.0f);
+  out.offset.assign(r.count, 0.0f);
+  std::vector<float> widened(r.x_bf16 ? in : 0);
+  for (int64_t m = 0; m < r.count; ++m) {
+    const float* x = r.x + m * r.x_stride;
+    if (r.x_bf16) {
+      for (int64_t k = 0; k < in; ++k) widened[k] = widen_bf16(r.x_bf16[m * r.x_stride + k]);
+      x = widened.data();
+    }
+    double offset = 0.0;
+    for (int64_t k0 = 0; k0 < in; k0 += X_BLOCK) {
+      const int64_t end = std::min<int64_t>(k0 + X_BLOCK, in);
+      float largest = 0.0f;
+      for (int64_t k = k0; k < end; ++k) largest = std::max(largest, std::fabs(x[k]));
+      const float step = largest / 127.0f, inverse = step > 0.0f ? 1.0f / step : 0.0f;
+      int32_t q_sum = 0;
+      for (int64_t k = k0; k < end; ++k) {
+        float scaled = x[k] * inverse;  // rounded half away from zero
+        int32_t q = static_cast<int32_t>(scaled + (scaled >= 0.0f ? 0.5f : -0.5f));
+        out.q[m * out.padded + k] = static_cast<int8_t>(q);
+        q_sum += q;
+      }
+      float* lanes = out.step.data() + (m * steps + k0 / STEP) * 16 + (k0 % STEP == 0 ? 0 : 8);
+      std::fill(lanes, lanes + 8, step);
+      offset += 128.0 * step * q_sum;
+    }
+    out.offset[m] = static_cast<float>(offset);
+  }
+  return out;
+}
+
+template <int N, int M>
+ZEROLITE_AVX512VNNI void tile_vnni(const Int8Weight& w, const QuantizedRows& xq, const Rows& r, int64_t m0,
+                                   int64_t n0) {
+  __m512 acc[M][N];
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
+  const int64_t in = w.in_features;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t k = 0, s = 0; k < in; k += STEP, ++s) {
+    const __mmask64 mask = in - k >= STEP ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << (in - k)) - 1;
+    __m512i xs[M];
+    __m512 steps[M];
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      xs[m] = _mm512_loadu_si512(xq.q.data() + (m0 + m) * xq.padded + k);
+      steps[m] = _mm512_loadu_ps(xq.step.data() + ((m0 + m) * (xq.padded / STEP) + s) * 16);
+    }
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) {
+      __m512i row = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w.q + (n0 + n) * in + k), flip);
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), row, xs[m]);
+        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), steps[m], acc[m][n]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) {
+      const float y = (_mm512_reduce_add_ps(acc[m][n]) - xq.offset[m0 + m]) * w.scale[n0 + n];
+      if (r.y_bf16) r.y_bf16[(m0 + m) * r.y_stride + n0 + n] = narrow_bf16(y);
+      else r.y[(m0 + m) * r.y_stride + n0 + n] = y;
+    }
+}
+
+template <int N>
+void rows_of_x_vnni(const Int8Weight& w, const QuantizedRows& xq, const Rows& r, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 4 <= r.count; m += 4) tile_vnni<N, 4>(w, xq, r, m, n0);
+  switch (r.count - m) {
+    case 3: tile_vnni<N, 3>(w, xq, r, m, n0); break;
+    case 2: tile_vnni<N, 2>(w, xq, r, m, n0); break;
+    case 1: tile_vnni<N, 1>(w, xq, r, m, n0); break;
+    default: break;
+  }
+}
+
+void rows_vnni(const Int8Weight& w, const QuantizedRows& xq, const Rows& r, int64_t first, int64_t last) {
+  int64_t n = first;
+  for (; n + 4 <= last; n += 4) rows_of_x_vnni<4>(w, xq, r, n);
+  for (; n < last; ++n) rows_of_x_vnni<1>(w, xq, r, n);
+}
+
 #endif  // ZEROLITE_X86
 
 }  // namespace
 
 void int8_matmul(const Int8Weight& w, const Rows& r, CpuPath path, int threads) {
+  int64_t tasks = (w.out_features + TASK_ROWS - 1) / TASK_ROWS;
   void (*rows)(const Int8Weight&, const Rows&, int64_t, int64_t) = rows_scalar;
 #ifdef ZEROLITE_X86
-  if (path == CpuPath::avx512 || path == CpuPath::avx512vnni) rows = rows_avx512;
+  if (r.x_bf16 && path < CpuPath::avx512vnni) {  // bf16 rows as they are on the vnni path only
+#else
+  if (r.x_bf16) {
+#endif
+    through_fp32(r, w.in_features, w.out_features, [&](const Rows& fp32) { int8_matmul(w, fp32, path, threads); });
+    return;
+  }
+#ifdef ZEROLITE_X86
+  if (path >= CpuPath::avx512vnni) {
+    const QuantizedRows xq = quantize_rows(r, w.in_features);
+    kernel_pool().run(threads, tasks, [&](int64_t task) {
+      rows_vnni(w, xq, r, task * TASK_ROWS, std::min(w.out_features, (task + 1) * TASK_ROWS));
+    });
+    return;
+  }
+  if (path >= CpuPath::avx512) rows = rows_avx512;
   if (path == CpuPath::avx2) rows = rows_avx2;
 #endif
-  int64_t tasks = (w.out_features + TASK_ROWS - 1) / TASK_ROWS;
   kernel_pool().run(threads, tasks, [&](int64_t task) {
     rows(w, r, task * TASK_ROWS, std::min(w.out_features, (task + 1) * TASK_ROWS));
   });

@@ -1,4 +1,4 @@
-"""zerolite's CPU kernels for int4 and int8 weights (zerolite.quant.cpu_kernels): every path this
+"""zerolite's CPU kernels for int4, int8 and bf16 weights (zerolite.quant.cpu_kernels): every path this
 CPU runs, forced with ZEROLITE_CPU_KERNEL, against the fp32 matmul of the same weights
 dequantised, on shapes that reach each tail: a last block of fewer output rows (16, 48), a
 partial last group, widths that are no multiple of a vector, and row counts off the tiles."""
@@ -9,23 +9,37 @@ import pytest
 import torch
 
 from zerolite.errors import ZeroliteError
-from zerolite.quant import cpu_kernels
+from zerolite.quant import bf16_linear, cpu_kernels
+from zerolite.quant.bf16_linear import Bf16KernelLinear, use_bf16_kernel
 from zerolite.quant.int4_packing import CANDIDATES, Int4Packing, pack_int4, unpack_int4
 from zerolite.quant.linear import dequantize_int4
-from zerolite.quant.quantize import quantize_int4, quantize_int8
+from zerolite.quant.quantize import LinearShape, linear_shape, quantize_int4, quantize_int8
 
 PATHS = cpu_kernels.supported_paths()
 # (out, in, group): out a multiple of 16 (the packer's), its last block of 16, 32 or 48 rows
 # after whole blocks of 64; in with a partial last group, or odd.
 INT4_SHAPES = [(64, 64, 32), (80, 100, 32), (48, 70, 64), (112, 33, 32), (192, 576, 128), (16, 129, 64)]
 INT8_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (192, 576), (130, 1537)]
+BF16_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (130, 1537)]  # out off the runs of 4, in off 8, 16 and 32
 ROW_COUNTS = [1, 3, 4, 6, 9]
 RELATIVE = 2e-6  # fp32 sums in another order: a few ulps of the largest output
 ROUNDED_RELATIVE = 1e-2  # x rounded to int8 per 32 columns: about 0.5% measured
 
 
+# avx512bf16 adds bf16's dot products only: int4 and int8 run there as at avx512vnni (as the last
+# test here checks), so their many shapes are not run at both.
+SAME_AS_BELOW = "avx512bf16"
+QUANTIZED_PATHS = [p for p in PATHS if p != SAME_AS_BELOW]
+
+
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, request.param)
+    return request.param
+
+
+@pytest.fixture(params=QUANTIZED_PATHS)
+def quantized_path(request, monkeypatch):
     monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, request.param)
     return request.param
 
@@ -35,10 +49,15 @@ def assert_close(got: torch.Tensor, exact: torch.Tensor, terms: int) -> None:
     assert (got - exact).abs().max() <= tolerance, (got - exact).abs().max() / exact.abs().max()
 
 
+def assert_rounded_close(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """x rounded to int8 per 32 columns (and the outputs to bf16, where they are): a relative error."""
+    assert (got - exact).norm() <= ROUNDED_RELATIVE * exact.norm(), (got - exact).norm() / exact.norm()
+
+
 @pytest.mark.parametrize("packing", CANDIDATES, ids=lambda p: f"{p.block_rows}-{p.interleave}")
 @pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_int4_computes_what_its_weights_dequantise_to(path, packing, shape, scale_dtype):
+def test_int4_computes_what_its_weights_dequantise_to(quantized_path, packing, shape, scale_dtype):
     """avx512vnni rounds x to int8 per 32 columns: held to a relative error, not to fp32's."""
     out, inp, group = shape
     generator = torch.Generator().manual_seed(out * inp)
@@ -48,8 +67,13 @@ def test_int4_computes_what_its_weights_dequantise_to(path, packing, shape, scal
     for rows in ROW_COUNTS:
         x = torch.randn(rows, inp, generator=generator)
         got, exact = cpu_kernels.int4_matmul(x, packed, scale_zero, out, group, packing), x @ weight.t()
-        if path in cpu_kernels.ROUNDS_ACTIVATIONS:
-            assert (got - exact).norm() <= ROUNDED_RELATIVE * exact.norm(), (got - exact).norm() / exact.norm()
+        if quantized_path in cpu_kernels.ROUNDS_ACTIVATIONS:
+            assert_rounded_close(got, exact)
+            # bf16 rows, as the path takes them by default: read and written as bf16 (by the 64-row
+            # "halves" blocks' tile) or through fp32 copies (any other block)
+            got = cpu_kernels.int4_matmul(x.bfloat16(), packed, scale_zero, out, group, packing)
+            assert got.dtype == torch.bfloat16
+            assert_rounded_close(got.float(), x.bfloat16().float() @ weight.t())
         else:
             assert_close(got, exact, inp)
 
@@ -65,7 +89,7 @@ def test_only_rows_already_rounded_take_the_path_that_rounds_them(monkeypatch):
 @pytest.mark.parametrize("packing", CANDIDATES, ids=lambda p: f"{p.block_rows}-{p.interleave}")
 @pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int4_dequantises_into_its_transpose(path, packing, shape, dtype):
+def test_int4_dequantises_into_its_transpose(quantized_path, packing, shape, dtype):
     """The prefill's path: every weight as dequantize_int4 makes it, in fp32 or rounded to bf16
     (to nearest even, as torch rounds), the stored padding columns left out."""
     out, inp, group = shape
@@ -79,14 +103,56 @@ def test_int4_dequantises_into_its_transpose(path, packing, shape, dtype):
 
 
 @pytest.mark.parametrize("shape", INT8_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_int8_computes_what_its_weights_dequantise_to(path, shape):
+def test_int8_computes_what_its_weights_dequantise_to(quantized_path, shape):
     out, inp = shape
     generator = torch.Generator().manual_seed(out * inp)
     q, scale = quantize_int8(torch.randn(out, inp, generator=generator).bfloat16())
     weight = q.float() * scale.float()[:, None]
     for rows in ROW_COUNTS:
         x = torch.randn(rows, inp, generator=generator)
-        assert_close(cpu_kernels.int8_matmul(x, q, scale), x @ weight.t(), inp)
+        if quantized_path in cpu_kernels.ROUNDS_ACTIVATIONS:  # rounded per 32 columns; bf16 rows kept bf16
+            assert_rounded_close(cpu_kernels.int8_matmul(x, q, scale), x @ weight.t())
+            got = cpu_kernels.int8_matmul(x.bfloat16(), q, scale)
+            assert got.dtype == torch.bfloat16
+            assert_rounded_close(got.float(), x.bfloat16().float() @ weight.t())
+        else:
+            assert_close(cpu_kernels.int8_matmul(x, q, scale), x @ weight.t(), inp)
+
+
+@pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bf16_computes_its_fp32_sums_rounded_to_bf16(path, shape):
+    """Every path sums bf16 products in fp32 (dpbf16's products of bf16 pairs are exact): the
+    outputs are the exact sums to within bf16's rounding of them."""
+    out, inp = shape
+    generator = torch.Generator().manual_seed(out * inp)
+    weight = torch.randn(out, inp, generator=generator).bfloat16()
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, inp, generator=generator).bfloat16()
+        got, exact = cpu_kernels.bf16_matmul(x, weight), x.float() @ weight.float().t()
+        assert got.dtype == torch.bfloat16
+        tolerance = 2 ** -8 * exact.abs() + RELATIVE * inp ** 0.5 * exact.abs().max()
+        assert ((got.float() - exact).abs() <= tolerance).all(), ((got.float() - exact).abs() - tolerance).max()
+
+
+def test_a_cpu_bf16_linear_takes_the_kernel_for_few_rows_and_torch_for_many(monkeypatch):
+    """use_bf16_kernel keeps each Linear's parameters (tied weights stay tied); bf16 calls of
+    fewer than KERNEL_ROWS rows take the kernel, others (and fp32 ones) F.linear, with the bias."""
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(24, 40, bias=False)).bfloat16()
+    model[1].weight = torch.nn.Parameter(model[0].weight.t().contiguous())
+    weights = [module.weight for module in model]
+    use_bf16_kernel(model)
+    assert all(isinstance(module, Bf16KernelLinear) for module in model)
+    assert [module.weight for module in model] == weights
+    assert linear_shape(model[0]) == LinearShape(24, 40, transposed=False)  # still a plain product to quantize
+    kernel, calls = bf16_linear.bf16_matmul, []
+    monkeypatch.setattr(bf16_linear, "bf16_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    few = bf16_linear.KERNEL_ROWS - 1
+    for shape in [(1, 40), (1, few, 40), (bf16_linear.KERNEL_ROWS, 40)]:
+        x = torch.randn(shape).bfloat16()
+        expected = torch.nn.functional.linear(x.float(), model[0].weight.float(), model[0].bias.float())
+        assert torch.allclose(model[0](x).float(), expected, rtol=2 ** -7, atol=1e-2)
+    assert calls == [1, few]
+    assert model.float()[0](torch.randn(2, 40)).dtype == torch.float32 and calls == [1, few]
 
 
 def test_the_kernels_take_rows_of_any_layout_and_dtype(path):
@@ -122,3 +188,20 @@ def test_shapes_that_do_not_match_the_weight_are_refused():
         cpu_kernels.int4_matmul(torch.randn(1, 96), pack_int4(q, packing), scale_zero, 64, 32, packing)
     with pytest.raises(ValueError, match=r"rows must be a CPU tensor \[rows, 8\]"):
         cpu_kernels.int8_matmul(torch.randn(8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+
+
+def test_int4_and_int8_run_at_avx512bf16_as_at_avx512vnni(monkeypatch):
+    """The paths are levels: a kernel with nothing of its own at a level runs the best below it
+    (on a CPU with neither level, nothing to compare)."""
+    q4, scale_zero = quantize_int4(torch.randn(80, 100), 32)
+    packing = CANDIDATES[0]
+    packed = pack_int4(q4, packing)
+    q8, scale = quantize_int8(torch.randn(33, 100))
+    x = torch.randn(5, 100).bfloat16()
+    outputs = []
+    for level in [p for p in ("avx512vnni", SAME_AS_BELOW) if p in PATHS]:
+        monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, level)
+        outputs.append([cpu_kernels.int4_matmul(x, packed, scale_zero, 80, 32, packing),
+                        cpu_kernels.int4_dequantize_transposed(torch.empty(100, 80), packed, scale_zero, 32, packing),
+                        cpu_kernels.int8_matmul(x, q8, scale)])
+    assert all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other))

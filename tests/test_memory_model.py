@@ -11,7 +11,7 @@ from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import DTYPES
 from zerolite.memory_model import ModelShape, kv_bytes_per_token, prefill_activation_bytes
 from zerolite.planner.model_costs import ModelCosts
-from zerolite.quant.linear import dense_bytes, dequantize_workspace
+from zerolite.quant.linear import QuantizedLinear, cpu_dequantize_workspace, dense_bytes, dequantize_workspace
 from zerolite.runtime.batching import MAX_BATCH, decide_batch_size, host_kv_share
 from zerolite.runtime.kv_cache import offloaded_share
 
@@ -27,6 +27,19 @@ def test_the_planner_counts_a_quantized_layer_s_gpu_memory_as_the_runtime_does(m
     assert fmt.dense_bytes == max(dense_bytes(manifest, name) for name in manifest.layer_names) > 0
     assert fmt.workspace_bytes == dequantize_workspace(manifest) > 0
     assert costs.formats["stored"].dense_bytes == costs.formats["stored"].workspace_bytes == 0
+
+
+def test_a_cpu_prefill_s_scratch_buffer_is_the_workspace_the_plan_counts(make_layout):
+    """A prompt past the kernels' rows dequantises each int4 weight's transpose into the layers'
+    shared scratch buffer: the host budget and preflight set that much aside (the stored width,
+    a partial last group's padding included, bounds it)."""
+    import zerolite
+
+    layout = make_layout("llama", layers=2, weights="int4", dtype="bf16")
+    with zerolite.load(layout, device="cpu", offload="cpu", show_progress=False) as lm:
+        lm.model(input_ids=torch.randint(3, 100, (1, 80)))
+        (scratch,) = {m.scratch for m in lm.model.modules() if isinstance(m, QuantizedLinear)}
+    assert 0 < scratch._buffer.numel() <= cpu_dequantize_workspace(Layout.open(layout).manifest)
 
 
 def test_the_model_shape_is_read_once_for_k_v_attention_and_activations():

@@ -1,14 +1,20 @@
 """The CPU matmul kernels an int4, int8 or bf16 layer can run, timed at the shapes of real layers
 and row counts from decode to prefill, beside the memory-bandwidth bound.
 
-    python tools/bench_kernels.py [--rows 1,16,64,512] [--shapes smollm2,7b] [--threads 2] [--json out.json]
+    python tools/bench_kernels.py [--rows 1,16,64,512] [--shapes smollm2,7b,bench] [--threads 2] [--json out.json]
+                                  [--cpu-time]
 
 Kernels, all given bf16 rows: torch's int4 (aten._weight_int4pack_mm_for_cpu), int4 dequantised
 by torch's tensor ops then a bf16 matmul (zerolite's prefill path before its own kernels), torch's
-int8 (aten._weight_int8pack_mm), bf16 (F.linear), and zerolite's own int4 and int8 kernels
+int8 (aten._weight_int8pack_mm), bf16 (F.linear), and zerolite's own int4, int8 and bf16 kernels
 (zerolite.quant.cpu_kernels: the best path the CPU runs for bf16 rows, or ZEROLITE_CPU_KERNEL's)
 and its int4 prefill path (its one-pass dequantisation into W^T, then torch's bf16 matmul). int4
-in groups of 32, int8 per output channel.
+in groups of 32, int8 per output channel. Shapes: SmolLM2-135M's, Llama-2-7B's, and tools/bench.py's
+model's (its head included).
+
+With --cpu-time (and --threads 1: the kernels then run on the calling thread) a call's time is
+the CPU time of the calling thread, not the wall clock: on a machine other processes keep busy, the
+kernels' own cost, though the memory's bandwidth is still shared.
 
 Weights are read cold: each call takes the next of as many copies of the weight as fill
 COLD_BYTES, more than the last-level cache, so every call reads its weight from memory as a
@@ -42,6 +48,7 @@ from zerolite.quant.quantize import SCALE_ZERO_SUFFIX, WeightScheme, quantize_in
 SHAPES = {  # (out, in) of a layer's projections
     "smollm2": [(576, 576), (192, 576), (1536, 576), (576, 1536)],   # SmolLM2-135M: q/o, k/v, gate/up, down
     "7b": [(4096, 4096), (11008, 4096), (4096, 11008)],              # Llama-2-7B: q/k/v/o, gate/up, down
+    "bench": [(2048, 2048), (5632, 2048), (2048, 5632), (32000, 2048)],  # tools/bench.py: q/k/v/o, gate/up, down, head
 }
 GROUP_SIZE = 32
 COLD_BYTES = 1 << 30
@@ -59,15 +66,15 @@ def copy_rate(nbytes: int = COLD_BYTES) -> float:
     return 2 * nbytes / best
 
 
-def timed(call, copies: int) -> float:
-    """The median seconds of a call, each on the next copy of its weights."""
+def timed(call, copies: int, clock=time.perf_counter) -> float:
+    """The median seconds of a call by clock, each on the next copy of its weights."""
     times, index, began = [], 0, time.perf_counter()
     call(0)  # warm: first-touch, lazy initialisation
     while len(times) < MIN_CALLS or time.perf_counter() - began < MIN_SECONDS:
         index = (index + 1) % copies
-        start = time.perf_counter()
+        start = clock()
         call(index)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -107,6 +114,7 @@ def formats(out: int, inp: int, hot: bool):
             x, z4[i][0], z4[i][1], out, GROUP_SIZE, scheme.packing)),
         "zerolite-int4-dequantised": (int4_bytes, len(z4), zerolite_dequantised),
         "zerolite-int8": (int8_bytes, len(z8), lambda i, x: cpu_kernels.int8_matmul(x, z8[i][0], z8[i][1])),
+        "zerolite-bf16": (weight.nbytes, len(bf16), lambda i, x: cpu_kernels.bf16_matmul(x, bf16[i][0])),
     }
 
 
@@ -124,14 +132,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hot", action="store_true", help="the same copy of the weight every call")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--cpu-time", action="store_true", help="time calls by the calling thread's CPU time")
     args = parser.parse_args()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
     rate = copy_rate()
     cpu = cpu_name()
     kernel_path = os.environ.get(cpu_kernels.PATH_VARIABLE) or cpu_kernels.supported_paths()[-1]
     print(f"{cpu}; {args.threads} threads; zerolite kernel path {kernel_path}; "
-          f"copy rate {rate / 1e9:.1f} GB/s (read + write); weights {'hot' if args.hot else 'cold'}")
+          f"copy rate {rate / 1e9:.1f} GB/s (read + write); weights {'hot' if args.hot else 'cold'}; "
+          f"{'CPU time of the calling thread' if args.cpu_time else 'wall clock'}")
     print(f"{'shape':>12} {'rows':>5} {'kernel':>24} {'ms':>9} {'GB/s':>7} {'bound ms':>9} {'x bound':>8}")
     results = []
     for shape_set in args.shapes.split(","):
@@ -142,7 +153,7 @@ def main() -> None:
                 for name, (nbytes, copies, call) in kernels.items():
                     if args.kernels and name not in args.kernels.split(","):
                         continue
-                    seconds = timed(lambda i, call=call, x=x: call(i, x), copies)
+                    seconds = timed(lambda i, call=call, x=x: call(i, x), copies, clock)
                     bound = nbytes / rate
                     results.append(dict(shape=[out, inp], rows=rows, kernel=name, ms=seconds * 1e3,
                                         gbps=nbytes / seconds / 1e9, bound_ms=bound * 1e3))
@@ -151,7 +162,7 @@ def main() -> None:
             del kernels
     if args.json:
         Path(args.json).write_text(json.dumps(dict(cpu=cpu, threads=args.threads, copy_gbps=rate / 1e9,
-                                                   hot=args.hot, results=results), indent=1))
+                                                   hot=args.hot, cpu_time=args.cpu_time, results=results), indent=1))
 
 
 def cpu_name() -> str:

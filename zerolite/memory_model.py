@@ -117,6 +117,18 @@ def dequantize_workspace(weights: str | None, largest_weight: int, dtype: torch.
     return largest_weight * per_weight + (packed_layer_bytes if int4 else 0)
 
 
+def cpu_dequantize_workspace(weights: str | None, largest_weight: int, dtype: torch.dtype) -> int:
+    """The most host memory a CPU's quantized layers take for a prefill's matmuls (from
+    zerolite.quant.linear's row thresholds on): int4's scratch buffer, the largest weight's
+    transpose in bf16 for bf16 rows, else fp32; int8's weight widened into the rows' dtype and then
+    scaled, two temporaries of the largest weight. weights: "int8", "int4", or None (none)."""
+    if weights is None:
+        return 0
+    if weights == "int4":
+        return largest_weight * (2 if dtype == torch.bfloat16 else 4)
+    return largest_weight * 2 * dtype.itemsize
+
+
 def quantized_bytes_per_weight(weights: str, dtype: torch.dtype, group_size: int | None = None) -> float:
     """What a wide weight takes stored in a quantized format (zerolite.quant.quantize), its scales
     included: int8 a byte (its scale is one per output row, nothing per weight); int4 half a byte,

@@ -1,17 +1,21 @@
-"""zerolite's own CPU kernels for int4 and int8 weights (csrc/int4_matmul.cpp, csrc/int8_matmul.cpp):
-they read the weights as a layout stores them, take fp32 rows and give fp32 rows.
+"""zerolite's own CPU kernels for int4, int8 and bf16 weights (csrc/int4_matmul.cpp, csrc/int8_matmul.cpp,
+csrc/bf16_matmul.cpp): they read the weights as a layout stores them, take fp32 rows and give fp32
+rows (bf16 ones where the path rounds them to int8 anyway, and for bf16 weights).
 
-    y = int4_matmul(x, packed, scale_zero, out_features, group_size, packing)   # x: [rows, in] fp32
+    y = int4_matmul(x, packed, scale_zero, out_features, group_size, packing)   # x: [rows, in] fp32 or bf16
     y = int8_matmul(x, q, scale)
+    y = bf16_matmul(x, weight)                                                    # x, weight, y: bf16
     dequantize_int4_transposed(out, packed, scale_zero, group_size, packing)      # out: [in, out] bf16 or fp32
 
 Each kernel has a path per instruction set (AVX-512, AVX2 with FMA, plain C++), chosen at run time
-from what the CPU offers, or forced with ZEROLITE_CPU_KERNEL=avx512vnni|avx512|avx2|scalar (tests
-run every path the CPU has). Those compute in fp32 exactly what the weights dequantise to. Where
-the CPU has AVX-512 VNNI and VBMI, int4 rows that are not fp32 (bf16, fp16: already rounded) take
-avx512vnni, which rounds them to int8 per 32 columns, as llama.cpp's Q4_0 does, and multiplies
-bytes: several times faster, at about 0.5% of relative error in a product
-(docs/benchmarks-cpu-kernels.md gives its perplexity); fp32 rows keep the exact path. They run on
+from what the CPU offers, or forced with ZEROLITE_CPU_KERNEL=avx512bf16|avx512vnni|avx512|avx2|scalar
+(tests run every path the CPU has; each path includes those below it). Those below avx512vnni
+compute in fp32 exactly what the weights dequantise to. Where the CPU has AVX-512 VNNI and VBMI,
+int4 and int8 rows that are not fp32 (bf16, fp16: already rounded) take avx512vnni, which rounds
+them to int8 per 32 columns, as llama.cpp's Q4_0 and Q8_0 do, and multiplies bytes: several times
+faster, at about 0.5% of relative error in a product (docs/benchmarks-cpu-kernels.md gives its
+perplexity); fp32 rows keep the exact path. bf16 weights (bf16_matmul, bf16 rows) take AVX-512
+BF16's dot products where the CPU has them (avx512bf16), fp32 sums either way. They run on
 torch's thread count, on a pool of the extension's own whose idle threads sleep, and release the
 GIL. Tensors go in as addresses: the checks here are all they get.
 """
@@ -28,7 +32,8 @@ from zerolite.errors import ZeroliteError
 from zerolite.quant.int4_packing import Int4Packing
 
 PATH_VARIABLE = "ZEROLITE_CPU_KERNEL"
-ROUNDS_ACTIVATIONS = ("avx512vnni",)  # int4 there: x rounded to int8 per 32 columns, as llama.cpp does
+# int4 and int8 there: x rounded to int8 per 32 columns, as llama.cpp does (avx512bf16 includes avx512vnni)
+ROUNDS_ACTIVATIONS = ("avx512vnni", "avx512bf16")
 
 
 def supported_paths() -> list[str]:
@@ -56,10 +61,17 @@ def kernel_path(exact: bool = True) -> int:
     return _path_number(os.environ.get(PATH_VARIABLE) or _best(exact))
 
 
-def _checked(x: torch.Tensor, in_features: int) -> torch.Tensor:
+@functools.cache
+def _rounding(path: int) -> bool:
+    return path in {_path_number(name) for name in ROUNDS_ACTIVATIONS if name in supported_paths()}
+
+
+def _checked(x: torch.Tensor, in_features: int, path: int) -> torch.Tensor:
+    """x as the kernel reads it: bf16 rows as they are where the path rounds them anyway (no
+    conversion either side of the call), fp32 rows otherwise."""
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"rows must be a CPU tensor [rows, {in_features}], not {tuple(x.shape)} on {x.device}")
-    return x.float().contiguous()
+    return (x if x.dtype == torch.bfloat16 and _rounding(path) else x.float()).contiguous()
 
 
 def _int4_fits(packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, in_features: int,
@@ -80,8 +92,9 @@ def _scales(scale_zero: torch.Tensor) -> torch.Tensor:
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int,
                 group_size: int, packing: Int4Packing) -> torch.Tensor:
-    """x [rows, in] @ the int4 weight's transpose, in fp32 (x rounded to int8 first where x is not
-    fp32 and the CPU runs avx512vnni). packed: uint8 [out, stored in / 2] in
+    """x [rows, in] @ the int4 weight's transpose: in bf16 where x is bf16 and the path rounds it to
+    int8 first (avx512vnni, avx512bf16: the default for bf16 rows where the CPU runs them), in fp32
+    otherwise. packed: uint8 [out, stored in / 2] in
     packing's order; scale_zero: [groups, out, 2], weight = (q - 8) * scale + zero. x may be
     narrower than the stored width (a partial last group): the padding is skipped."""
     stored_in = scale_zero.shape[0] * group_size
@@ -89,14 +102,14 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
     if not _int4_fits(packed, scale_zero, out_features, in_features, group_size):
         raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
                          f"packed {tuple(packed.shape)} and scale_zero {tuple(scale_zero.shape)}")
-    exact = x.dtype == torch.float32
-    x = _checked(x, in_features)
+    path = kernel_path(exact=x.dtype == torch.float32)
+    x = _checked(x, in_features, path)
     scale_zero = _scales(scale_zero)
-    y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    y = torch.empty((x.shape[0], out_features), dtype=x.dtype)
     _engine.int4_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, packed.data_ptr(),
                         out_features, in_features, stored_in, group_size, packing.block_rows,
                         packing.interleave == "halves", scale_zero.data_ptr(), scale_zero.dtype == torch.bfloat16,
-                        kernel_path(exact), torch.get_num_threads())
+                        path, torch.get_num_threads(), x.dtype == torch.bfloat16)
     return y
 
 
@@ -120,14 +133,34 @@ def int4_dequantize_transposed(out: torch.Tensor, packed: torch.Tensor, scale_ze
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ (q * scale[:, None]) transposed, in fp32. q: int8 [out, in]."""
+    """x [rows, in] @ (q * scale[:, None]) transposed, in int4_matmul's dtype (x rounded to int8
+    per 32 columns first where it is not fp32 and the CPU runs avx512vnni). q: int8 [out, in]."""
     out_features, in_features = q.shape
     if q.dtype != torch.int8 or not q.is_contiguous() or tuple(scale.shape) != (out_features,):
         raise ValueError(f"an int8 weight must be int8 [out, in] with a scale per row: {tuple(q.shape)} {q.dtype}, "
                          f"scale {tuple(scale.shape)}")
-    x = _checked(x, in_features)
+    path = kernel_path(exact=x.dtype == torch.float32)
+    x = _checked(x, in_features, path)
     scale = scale.float().contiguous()
-    y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    y = torch.empty((x.shape[0], out_features), dtype=x.dtype)
     _engine.int8_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, q.data_ptr(),
-                        out_features, in_features, scale.data_ptr(), kernel_path(), torch.get_num_threads())
+                        out_features, in_features, scale.data_ptr(), path, torch.get_num_threads(),
+                        x.dtype == torch.bfloat16)
+    return y
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ weight.t(), all bf16 (fp32 sums, rounded to bf16 as torch's matmul rounds).
+    weight: bf16 [out, in], contiguous. For a few rows: each weight row is read once for every
+    4 rows of x, where a matmul of many rows (AMX, oneDNN's blocking) is torch's to run."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(f"a bf16 weight must be a contiguous CPU bf16 [out, in]: {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"rows must be a CPU tensor [rows, {in_features}], not {tuple(x.shape)} on {x.device}")
+    x = x.to(torch.bfloat16).contiguous()
+    y = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+    _engine.bf16_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, weight.data_ptr(),
+                        out_features, in_features, kernel_path(exact=False), torch.get_num_threads())
     return y

@@ -56,7 +56,8 @@ class Scratch:
     stream (each layer's matmul has read it before the next layer writes it): the largest weight
     once in the activations' dtype, taken once and kept, where a fresh allocation per call would
     churn the allocator. Counted in dequantize_workspace. A CPU's int4 layers dequantise a
-    prefill's weights into one too (a fresh one per call took a page fault every 4 KiB)."""
+    prefill's weights into one too (a fresh one per call took a page fault every 4 KiB), counted
+    in cpu_dequantize_workspace."""
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
@@ -316,7 +317,22 @@ def dequantize_workspace(manifest: Manifest) -> int:
     if manifest.quantization is None:
         return 0
     blocks = [quantized_weights(manifest, block.name) for block in manifest.blocks]
-    largest = max((weight_count(manifest, tensor) for tensors in blocks for tensor in tensors), default=0)
     packed = max((sum(tensor.nbytes for tensor in tensors) for tensors in blocks), default=0)
-    return memory_model.dequantize_workspace(manifest.quantization["weights"], largest, DTYPES[manifest.dtype], packed)
+    return memory_model.dequantize_workspace(manifest.quantization["weights"], largest_weight(manifest),
+                                             DTYPES[manifest.dtype], packed)
+
+
+def cpu_dequantize_workspace(manifest: Manifest) -> int:
+    """The most host memory a CPU's quantized layers take for a prefill's matmuls
+    (zerolite.memory_model.cpu_dequantize_workspace), from the layout's largest weight."""
+    if manifest.quantization is None:
+        return 0
+    return memory_model.cpu_dequantize_workspace(manifest.quantization["weights"], largest_weight(manifest),
+                                                 DTYPES[manifest.dtype])
+
+
+def largest_weight(manifest: Manifest) -> int:
+    """How many weights the layout's largest quantized tensor holds."""
+    return max((weight_count(manifest, tensor) for block in manifest.blocks
+                for tensor in quantized_weights(manifest, block.name)), default=0)
 

@@ -38,6 +38,7 @@ from transformers.pytorch_utils import Conv1D
 from zerolite.errors import ZeroliteError
 from zerolite.layout.manifest import DTYPES
 from zerolite.memory_model import quantized_bytes_per_weight
+from zerolite.quant.bf16_linear import Bf16KernelLinear
 from zerolite.quant.int4_packing import (
     ROW_MULTIPLE,
     Int4Packing,
@@ -303,8 +304,9 @@ def weights_multiplied_directly(owner: type) -> frozenset[str]:
 def linear_shape(module: nn.Module) -> LinearShape | None:
     """A Linear's or Conv1D's widths; None for any other module, and for a Linear whose class
     computes more than the product (Llama 4's router, an nn.Linear whose forward also takes the
-    top-k), which a quantized linear in its place would drop."""
-    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+    top-k), which a quantized linear in its place would drop. (A CPU run's Bf16KernelLinear computes
+    the product alone.)"""
+    if isinstance(module, nn.Linear) and type(module).forward in (nn.Linear.forward, Bf16KernelLinear.forward):
         return LinearShape(module.out_features, module.in_features, transposed=False)
     if isinstance(module, Conv1D):
         return LinearShape(module.nf, module.weight.shape[0], transposed=True)

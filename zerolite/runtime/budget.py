@@ -21,7 +21,7 @@ import psutil
 
 from zerolite.io.device import Device
 from zerolite.layout.manifest import Manifest
-from zerolite.quant.linear import dequantize_workspace
+from zerolite.quant.linear import cpu_dequantize_workspace, dequantize_workspace
 from zerolite.runtime.policy import Policy
 
 RESERVE_BYTES = 2 << 30
@@ -58,7 +58,9 @@ class Budgets:
             memory = psutil.virtual_memory()
             always = (0 if device.separate_memory
                       else manifest.nbytes(b.name for b in manifest.blocks if b.name not in layers))
-            in_host = max(memory.available - ranks_here * (ring_on_host + reserve(memory.total)) - always, 0)
+            workspace = 0 if device.separate_memory else cpu_dequantize_workspace(manifest)  # a CPU's prefill
+            in_host = max(memory.available - ranks_here * (ring_on_host + reserve(memory.total) + workspace) - always,
+                          0)
         return cls(on_device, in_host)
 
 

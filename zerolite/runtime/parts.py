@@ -27,6 +27,7 @@ from zerolite.layout.store import DiskStore, MemoryStore
 from zerolite.moe.cache import ExpertCache
 from zerolite.moe.counts import ExpertCounts
 from zerolite.moe.routing import ExpertRouting, streamed_per_expert
+from zerolite.quant.bf16_linear import use_bf16_kernel
 from zerolite.quant.linear import dequantize_resident, keeps_dense
 from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
@@ -85,6 +86,8 @@ def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, worl
     timeline.device = device
     model = runnable_model(layout.side_folder, DTYPES[manifest.dtype], device.torch_device)
     install_quantized_linears(model, manifest, device)
+    if not device.separate_memory:  # a CPU: its bf16 layers' decode steps through zerolite's kernel
+        use_bf16_kernel(model)
     engine = IoEngine(policy.io_backend, policy.io_queue_depth, policy.io_chunk_bytes)
     disk = DiskStore(layout, engine)
     # Where the device has memory of its own, a block's tensors are bound where its copy put them

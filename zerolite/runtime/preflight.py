@@ -12,7 +12,7 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.device import Device
 from zerolite.io.engine import supports_direct_io
 from zerolite.layout.folder import Layout
-from zerolite.quant.linear import dense_bytes, dequantize_workspace, keeps_dense
+from zerolite.quant.linear import cpu_dequantize_workspace, dense_bytes, dequantize_workspace, keeps_dense
 from zerolite.runtime.budget import device_slot_bytes
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
@@ -44,7 +44,7 @@ def preflight(layout: Layout, plan: Plan, policy: Policy, device: Device, ranks_
         what = "pins"
     else:
         shared = manifest.nbytes(plan.in_host(separate))
-        each = host_slots + plan.expert_cache
+        each = host_slots + plan.expert_cache + cpu_dequantize_workspace(manifest)  # and a prefill's scratch
         host_needed = shared + ranks_here * each
         what = "holds"
     if ranks_here > 1:
