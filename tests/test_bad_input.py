@@ -106,6 +106,8 @@ CASES = [
          id="generate-kv-offload-above-1"),
     case("generate hi --model {layout} --device cpu --kv-offload -0.1", "--kv-offload", "from 0 to 1",
          id="generate-kv-offload-negative"),
+    case("generate hi --model {layout} --device cpu --kv-bits 3", "--kv-bits", "16, 8, 4, not 3",
+         id="generate-kv-bits-3"),
     # generate: files in and out
     case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist",
          id="generate-input-missing"),

@@ -85,6 +85,11 @@ class MemoryCgroup:
         counts = dict(line.split() for line in events.read_text().splitlines() if len(line.split()) == 2)
         return int(counts.get("oom_kill", 0))
 
+    def peak_bytes(self) -> int | None:
+        """The most memory the cgroup's processes held at once (None where the kernel keeps no peak)."""
+        file = self.path / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")
+        return int(file.read_text()) if file.is_file() else None
+
     def remove(self) -> None:
         """Once its processes are gone (the kernel may take a moment to let an exited one go)."""
         for _ in range(50):

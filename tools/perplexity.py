@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from zerolite.hf import cache_keyword
+
 TOPIC_SEPARATOR = "\n\n"  # topics end without a newline; a blank line keeps them apart as paragraphs
 
 
@@ -80,4 +82,26 @@ def perplexity(model, ids: torch.Tensor, stride: int | None = None, progress=Non
         nll_sum += F.cross_entropy(predicted, ids[first:end], reduction="sum").item()
         if progress is not None:
             progress.advance(end - first)
+    return Score(nll_sum, len(ids) - 1)
+
+
+@torch.no_grad()
+def perplexity_through_cache(model, ids: torch.Tensor, new_cache, chunk: int, progress=None) -> Score:
+    """The same score, the text fed chunk tokens at a time through a K/V cache (new_cache() makes
+    one per window), so that every prediction attends to the K/V of the tokens before it as the
+    cache gives them back: quantized K/V (--kv-bits) is then read as decoding reads it. A cache that
+    quantizes each token alone (zerolite.quant.kv_codec) gives the same K/V whatever the chunk, so
+    this is token-by-token decoding's score, up to the rounding of the matmuls' shapes."""
+    window = context_window(model.config) or len(ids)
+    nll_sum = 0.0
+    for begin, end, first in windows(len(ids), window, window // 2):
+        cache, logits = new_cache(), []
+        for start in range(begin, end, chunk):
+            stop = min(start + chunk, end)
+            out = model(input_ids=ids[None, start:stop], use_cache=True, **{cache_keyword(): cache})
+            logits.append(out.logits[0].float())
+            if progress is not None:
+                progress.advance(max(stop - max(start, first), 0))
+        predicted = torch.cat(logits)[first - begin - 1 : -1]
+        nll_sum += F.cross_entropy(predicted, ids[first:end], reduction="sum").item()
     return Score(nll_sum, len(ids) - 1)

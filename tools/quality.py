@@ -4,6 +4,7 @@ dtype (the base) and each scheme of --weights.
 
     python tools/quality.py [--weights int8,int4-g32,int4-g64,int4-g128] [--tokens 4096] [--reference]
                             [--path ROOT] [--json FILE] [--model MODEL] [--dtype bf16|fp16|fp32]
+                            [--kv-bits 16,8,4] [--kv-chunk 64]
 
 Each variant is a layout converted from MODEL (default: the built-in GGUF) into ROOT/VARIANT-DTYPE
 (ROOT defaults to zerolite's cache dir/quality) and reused on later runs: the base with no weights
@@ -19,6 +20,13 @@ fp32 exactly), bf16 or fp16 for layouts converted with --dtype; a quantized vari
 stay in that dtype and its matmuls run as zerolite's quantized layers run them. The loss is taken
 in fp32 in every case. --reference scores the same ids with transformers alone on MODEL, in the
 base layout's dtype: the base figure should agree with it.
+
+--kv-bits 16,8,4 scores the base layout again with its K/V cache at each of those bits (zerolite's
+--kv-bits), the text fed --kv-chunk tokens at a time through the cache (tools/perplexity.py's
+perplexity_through_cache), so that every prediction attends to the K/V of the tokens before it as
+the cache holds them: at 8 and 4 bits quantized when appended, dequantised when read, as decoding
+reads them. Each token's K/V is quantized alone, so the chunk changes nothing but the speed:
+this is token-by-token decoding's perplexity. Each is compared with the 16-bit cache's.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import zerolite
-from perplexity import Score, context_window, corpus_ids, perplexity
+from perplexity import Score, context_window, corpus_ids, perplexity, perplexity_through_cache
 from zerolite.convert.paths import builtin_gguf, cache_dir
 from zerolite.convert.writer import convert
 from zerolite.errors import ZeroliteError
@@ -97,6 +105,31 @@ def score_layout(folder: Path, ids, label: str) -> tuple[Score, float]:
         return timed_score(lm.model, ids, label)
 
 
+def score_kv_bits(folder: Path, ids, bits: list[int], chunk: int) -> list[dict]:
+    """The base layout scored through its K/V cache at each of bits, the first the baseline."""
+    rows = []
+    for each in bits:
+        with zerolite.load(folder, offload="cpu", device="cpu", kv_bits=each, show_progress=False) as lm:
+            started = time.perf_counter()
+            with token_progress(f"K/V at {each} bits", len(ids) - 1) as progress:
+                score = perplexity_through_cache(lm.model, ids, lm.new_cache, chunk, progress=progress)
+        rows.append({"kv_bits": each, "mean_nll": score.mean_nll, "perplexity": score.perplexity,
+                     "score_s": time.perf_counter() - started})
+    for row in rows:
+        row["change_pct"] = 100 * (row["perplexity"] / rows[0]["perplexity"] - 1)
+    return rows
+
+
+def parse_kv_bits(text: str) -> list[int]:
+    try:
+        bits = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kv-bits {text!r}: give a comma list of 16, 8 and 4") from None
+    if not bits or any(each not in (16, 8, 4) for each in bits):
+        raise argparse.ArgumentTypeError(f"--kv-bits {text!r}: give a comma list of 16, 8 and 4")
+    return bits
+
+
 def score_reference(model: str, ids, dtype: str) -> tuple[Score, float]:
     """The same score with transformers alone, on MODEL as transformers reads it."""
     source = Path(model)
@@ -146,6 +179,16 @@ def report(console: Console, rows: list[dict]) -> None:
             console.print(f"{row['variant']}: {UNAVAILABLE}: {row['reason']}", highlight=False)
 
 
+def report_kv_bits(console: Console, rows: list[dict], chunk: int) -> None:
+    table = Table(title=f"tools/quality: the base's K/V cache at each bits, the text fed {chunk} tokens at a time")
+    for column in ("K/V bits", "perplexity", f"vs {rows[0]['kv_bits']} bits", "scored in"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(str(row["kv_bits"]), f"{row['perplexity']:.3f}", f"{row['change_pct']:+.2f}%",
+                      f"{row['score_s']:.1f} s")
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", type=parse_variants, default=parse_variants(DEFAULT_WEIGHTS),
@@ -160,6 +203,10 @@ def main() -> None:
                         help="what to convert (default: the built-in SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
                         help="the layouts' dtype (default: the model's)")
+    parser.add_argument("--kv-bits", type=parse_kv_bits, default=None,
+                        help="score the base through its K/V cache at each of these bits too, a comma list "
+                        "(16,8,4: the first is the baseline)")
+    parser.add_argument("--kv-chunk", type=int, default=64, help="tokens fed through the cache at a time")
     args = parser.parse_args()
     quiet_transformers()
     console = Console(width=None if sys.stdout.isatty() else 160)  # the table stays whole in a log
@@ -191,11 +238,14 @@ def main() -> None:
             row["change_pct"] = 100 * (row["perplexity"] / rows[0]["perplexity"] - 1)
 
     report(console, rows)
+    kv_rows = score_kv_bits(base_folder, ids, args.kv_bits, args.kv_chunk) if args.kv_bits else []
+    if kv_rows:
+        report_kv_bits(console, kv_rows, args.kv_chunk)
     if args.json:
         figures = {"model": model, "python": platform.python_version(),
                    "text": "pydoc_data.topics, sorted keys, joined by a blank line", "tokens": args.tokens,
                    "window": window, "dtype": dtype, "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
-                   "variants": rows}
+                   "variants": rows, "kv_bits": kv_rows, "kv_chunk": args.kv_chunk}
         args.json.write_text(json.dumps(figures, indent=2))
 
 

@@ -149,12 +149,12 @@ def sliding_cache_rewinds() -> bool:
     return Version(transformers.__version__) >= Version("5.18")
 
 
-def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> None:
+def refuse_what_its_cache_cannot_do(config, kv_option: str | None, draft: bool) -> None:
     """Said before anything loads, not as a forward's error (or, rewinding a state, wrong tokens):
 
     - a model whose forward makes a cache class of its own (MiniMax's, RWKV's state) refuses any
-      other, and kv_offload's cache and a draft's are DynamicCaches (transformers' own test for such
-      models: _supports_default_dynamic_cache);
+      other, and the cache kv_option (kv_offload or kv_bits, where one is set) asks for and a draft's are
+      DynamicCaches (transformers' own test for such models: _supports_default_dynamic_cache);
     - speculative decoding rewinds the target's cache past the guesses it rejects, which crop cannot
       do to a recurrent state (state-space, linear-attention and recurrent layers: transformers'
       LinearAttention cache layers, which are not is_croppable once they hold one), nor, before
@@ -165,9 +165,10 @@ def refuse_what_its_cache_cannot_do(config, kv_offload: bool, draft: bool) -> No
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     name = model_class.__name__ if model_class is not None else type(config).__name__
     if model_class is not None and not model_class._supports_default_dynamic_cache():
-        if kv_offload:
-            raise ZeroliteError(f"{name} keeps its cache in a class of its own, which `kv_offload` cannot split "
-                                "between device and host memory: leave out `kv_offload`")
+        if kv_option:
+            what = "split between device and host memory" if kv_option == "kv_offload" else "quantize"
+            raise ZeroliteError(f"{name} keeps its cache in a class of its own, which `{kv_option}` cannot {what}: "
+                                f"leave out `{kv_option}`")
         raise ZeroliteError(f"{name} keeps its cache in a class of its own, which speculative decoding cannot rewind: "
                             "leave out `draft`")
     if draft:

@@ -4,6 +4,7 @@ dequantisation of its quantized weights take, from the model's shape and the wei
     shape = ModelShape.of(config)
     kv_bytes_per_token_by_layer(config, torch.bfloat16)  # one position of one sequence, layer by layer
     kv_bytes_per_token(config, torch.bfloat16)           # the same, over every layer
+    kv_bytes_per_token(config, torch.bfloat16, bits=4)   # K/V kept at 4 bits, with their scales
     prefill_activation_bytes(shape, 512, torch.bfloat16)  # one sequence's widest moment
 
 The runtime (--batch-size auto, budgets, preflight) and the planner (its cost model) both ask here,
@@ -67,18 +68,53 @@ class ModelShape:
         return self.heads * self.head_dim
 
 
-def kv_bytes_per_token_by_layer(config: PretrainedConfig, dtype: torch.dtype) -> list[int]:
-    """Bytes of K/V one token adds to each layer's cache: none in a state-space, recurrent or
-    linear-attention layer, a sliding window's counted in full (at most)."""
+KV_BITS = (16, 8, 4)  # --kv-bits: the K/V as computed (16: the model's dtype), or group-wise int8 / int4
+# The widest group of a head's channels that shares one scale (and zero, at 4 bits): a 128-wide head
+# is one group, whose two bf16 scales take 3% of its 4-bit bytes (64-wide groups would take 11%).
+KV_GROUP = 128
+
+
+def kv_group_size(width: int) -> int:
+    """The channels of one head's key or value (width of them) that share a scale: width split into
+    equal groups of at most KV_GROUP (128 stays one group, 256 makes two, 160 two of 80)."""
+    groups = -(-width // KV_GROUP)
+    while width % groups:
+        groups += 1
+    return width // groups
+
+
+def kv_row_bytes(width: int, dtype: torch.dtype, bits: int) -> int:
+    """Bytes one head's key (or value) of width channels takes for one token at bits: at 16 the
+    states as they are; at 8 an int8 code a channel and a scale in dtype a group; at 4 a nibble a
+    channel and a scale and a zero in dtype a group, rounded up to whole elements of dtype so that
+    the scales (stored first) stay aligned in every row (zerolite.quant.kv_codec's layout)."""
+    if bits == 16:
+        return width * dtype.itemsize
+    groups = width // kv_group_size(width)
+    scales = groups * dtype.itemsize * (2 if bits == 4 else 1)
+    codes = width if bits == 8 else -(-width // 2)
+    return -(-(scales + codes) // dtype.itemsize) * dtype.itemsize
+
+
+def kv_bytes_per_token_by_layer(config: PretrainedConfig, dtype: torch.dtype, bits: int = 16) -> list[int]:
+    """Bytes of K/V one token adds to each layer's cache, kept at bits (their scales included): none
+    in a state-space, recurrent or linear-attention layer, a sliding window's counted in full (at most)."""
     shape = ModelShape.of(config)
-    per_layer = 2 * shape.kv_heads * shape.head_dim * dtype.itemsize
+    per_layer = 2 * shape.kv_heads * kv_row_bytes(shape.head_dim, dtype, bits) if shape.heads else 0
     return [per_layer if grows else 0 for grows in shape.growing]
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
-    """Bytes of K/V one token adds to the cache, over every layer. A model with no attention heads
-    (mamba, rwkv) adds none."""
-    return sum(kv_bytes_per_token_by_layer(config, dtype))
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, bits: int = 16) -> int:
+    """Bytes of K/V one token adds to the cache at bits, over every layer. A model with no attention
+    heads (mamba, rwkv) adds none."""
+    return sum(kv_bytes_per_token_by_layer(config, dtype, bits))
+
+
+def kv_decode_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, bits: int) -> int:
+    """What reading quantized K/V takes beside it, per token of context: the layer being attended
+    holds its keys and values decoded into dtype (decoded in place, so nothing wider). None at
+    16 bits, where attention reads the cache itself."""
+    return 0 if bits == 16 else max(kv_bytes_per_token_by_layer(config, dtype), default=0)
 
 
 def prefill_activation_bytes(shape: ModelShape, prompt_tokens: int, dtype: torch.dtype) -> int:

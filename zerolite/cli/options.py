@@ -48,6 +48,9 @@ CpuMemory = Annotated[str | None, typer.Option(
 KvOffload = Annotated[float, typer.Option(
     "--kv-offload", help="Share of the layers (0 to 1) whose K/V cache lives in host memory, so the batch can grow "
     "past device memory.")]
+KvBits = Annotated[int, typer.Option(
+    "--kv-bits", help="Bits of the K/V cache, in every tier: 16 (the model's dtype), or 8 / 4, each token's keys and "
+    "values quantized in groups with their scales as they are added, so about 2x / 3.5x the sequences fit.")]
 Experts = Annotated[str, typer.Option(
     "--experts", help="A mixture of experts: device (or routed) moves only the experts the router picks at each step "
     "to the device, whole moves every expert, as a dense layer streams; cpu (on a GPU) computes the routed experts on "
@@ -83,6 +86,7 @@ LOAD_OPTIONS = {
     "gpu_memory": (GpuMemory, None),
     "cpu_memory": (CpuMemory, None),
     "kv_offload": (KvOffload, 0.0),
+    "kv_bits": (KvBits, 16),
     "experts": (Experts, "auto"),
     "cpu_expert_layers": (CpuExpertLayers, None),
     "weights": (Weights, None),

@@ -59,11 +59,12 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     layers = config.get_text_config(decoder=True).num_hidden_layers
     fraction = lm.policy.kv_offload
     on_host = round(offloaded_share(config, fraction) * layers) if fraction else 0
-    kv = f"K/V cache: {on_host} of {layers} layers in host memory"
+    bits = lm.policy.kv_bits
+    kv = f"K/V cache: {on_host} of {layers} layers in host memory" + (f", at {bits} bits" if bits < 16 else "")
     if fraction and not on_host:
         kv += " (--kv-offload moves full-attention layers only, and this model has none)"
     if batch_size and tokens:
-        kv_bytes = batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype)
+        kv_bytes = batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype, bits)
         kv += f", {kv_bytes / 1e9:.2f} GB in all at most (batch {batch_size} x {tokens} tokens)"
     lines.append(kv)
 

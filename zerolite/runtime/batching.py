@@ -4,19 +4,27 @@ activations fit in the memory the weights left, since one pass over the weights 
     batch = decide_batch_size(None, fits=lambda: largest_batch(lm, prompt_tokens=[12, 40, 7], max_new_tokens=64))
 
 The estimate is deliberately simple and errs large: K/V for every position of the longest prompt
-plus every new token, and the prefill's activations (the widest moment of a run), both as
-zerolite.memory_model counts them, the planner's cost model alike.
+plus every new token, at the policy's kv_bits (with what reading quantized K/V decodes), and the
+prefill's activations (the widest moment of a run), all as zerolite.memory_model counts them, the
+planner's cost model alike. Host memory is what the machine has available, or less where a memory
+cgroup limits this process (zerolite.runtime.host_memory).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import psutil
 from transformers import DynamicCache
 
 from zerolite.errors import ZeroliteError
-from zerolite.memory_model import ModelShape, kv_bytes_per_token, kv_bytes_per_token_by_layer, prefill_activation_bytes
+from zerolite.memory_model import (
+    ModelShape,
+    kv_bytes_per_token,
+    kv_bytes_per_token_by_layer,
+    kv_decode_bytes_per_token,
+    prefill_activation_bytes,
+)
+from zerolite.runtime.host_memory import host_room
 from zerolite.runtime.kv_cache import host_layers
 
 MARGIN = 0.10         # of the free memory, kept for the allocator's fragmentation and everything unforeseen
@@ -47,11 +55,14 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     dtype = lm.model.dtype
     longest = max(prompt_tokens)
     length = longest + max_new_tokens
+    bits = lm.policy.kv_bits
     kv_offload = host_kv_share(config, lm.policy.kv_offload, dtype) if lm.policy.kv_offload else 0.0
-    kv = kv_bytes_per_token(config, dtype) * length                      # per sequence
-    activations = prefill_activation_bytes(ModelShape.of(config), longest, dtype)
+    kv = kv_bytes_per_token(config, dtype, bits) * length                # per sequence
+    # the prefill's, or the widest moment of a decode step reading quantized K/V (both on the device)
+    activations = max(prefill_activation_bytes(ModelShape.of(config), longest, dtype),
+                      kv_decode_bytes_per_token(config, dtype, bits) * length)
 
-    host_free = psutil.virtual_memory().available * (1 - MARGIN)
+    host_free = host_room() * (1 - MARGIN)
     if lm.device.separate_memory:
         device_free = lm.device.memory()[0] * (1 - MARGIN)
         # K/V that grows a token each step takes more than its bytes where the allocator's segments cannot grow

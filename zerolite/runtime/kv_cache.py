@@ -12,6 +12,10 @@ once and only the new tokens out, and neither copy holds up compute (a long pref
 would). A fetch waits for that layer's last appends and for the compute queued before it (its
 targets come from compute's memory): it still runs while the layer before computes. The attention
 code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
+
+With bits 8 or 4 (--kv-bits) every attention layer's K/V, on the device or in host memory, is kept
+as zerolite.quant.kv_codec packs it: each new token quantized as it is appended, the layer's
+whole K/V dequantised when its attention reads it. The host copies then move the packed bytes.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import math
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from zerolite.io.device import Device
+from zerolite.quant.kv_codec import KVCodec
 from zerolite.runtime.plan import spread
 
 MIN_TOKENS = 256  # the first host buffer's length: appends then rarely reallocate
@@ -64,11 +69,12 @@ class OffloadedCaches:
         self.streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None
         self.pool = HostBufferPool(device)
 
-    def new(self, config: PretrainedConfig, fraction: float, tokens: int = 0) -> DynamicCache:
+    def new(self, config: PretrainedConfig, fraction: float, tokens: int = 0, bits: int = 16) -> DynamicCache:
         """A cache for one job: with fraction > 0, that share of the layers' K/V in host memory,
-        its buffers made for tokens (where the job's length is known); else transformers' own."""
-        if fraction > 0:
-            return PartialOffloadCache(config, fraction, self.device, self.streams, self.pool, tokens)
+        its buffers made for tokens (where the job's length is known), and with bits < 16 the K/V
+        quantized; else transformers' own."""
+        if fraction > 0 or bits < 16:
+            return PartialOffloadCache(config, fraction, self.device, self.streams, self.pool, tokens, bits)
         return DynamicCache(config=config.get_text_config(decoder=True))
 
 
@@ -228,21 +234,59 @@ class HostLayer(DynamicLayer):
         super().batch_select_indices(indices.cpu())
 
 
+class QuantizedStates:
+    """Put before a cache layer class: the layer keeps the K/V it is given packed at codec's bits
+    (each token's head a row of uint8, its scales beside its codes), and hands attention the whole
+    K/V decoded back into the states' dtype. The class after it stores, crops, selects and copies
+    the packed rows as it would the states: it never sees anything else."""
+
+    def __init__(self, *args, codec: KVCodec, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.codec = codec
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(self.codec.encode(key_states), self.codec.encode(value_states), *args, **kwargs)
+        return (self.codec.decode(keys, key_states.dtype, key_states.shape[-1]),
+                self.codec.decode(values, value_states.dtype, value_states.shape[-1]))
+
+
+class QuantizedDeviceLayer(QuantizedStates, DynamicLayer):
+    """A full-attention layer's K/V, quantized, where compute runs."""
+
+
+class QuantizedWindowLayer(QuantizedStates, DynamicSlidingWindowLayer):
+    """A sliding-window layer's K/V, quantized, where compute runs."""
+
+
+class QuantizedHostLayer(QuantizedStates, HostLayer):
+    """A full-attention layer's K/V, quantized, in host memory: a step fetches and appends packed bytes."""
+
+
 class PartialOffloadCache(DynamicCache):
-    """A DynamicCache with a fraction of its full-attention layers in host memory, spread evenly."""
+    """A DynamicCache with a fraction of its full-attention layers in host memory, spread evenly,
+    and with bits < 16 the K/V of every attention layer quantized (state-space, recurrent and
+    linear-attention layers keep their states as they are)."""
 
     def __init__(self, config: PretrainedConfig, fraction: float, device: Device, streams=None,
-                 pool: HostBufferPool | None = None, tokens: int = 0):
+                 pool: HostBufferPool | None = None, tokens: int = 0, bits: int = 16):
         """streams: (fetches, appends), the streams the K/V copies go on (new ones if not given); an
         executor keeps one pair for all its caches, since devices hand out streams from a small pool,
         and one pool of host buffers. tokens: the length the job will reach, where it is known, so the
-        host buffers are made once at that size instead of growing."""
+        host buffers are made once at that size instead of growing. bits: 16, 8 or 4."""
         super().__init__(config=config)
         if device.separate_memory and streams is None:
             streams = (device.new_stream(), device.new_stream())
         pool = pool or HostBufferPool(device)
-        for i in host_layers(self.layers, fraction):
-            self.layers[i] = HostLayer(device, streams, pool, tokens)
+        codec = KVCodec(bits) if bits < 16 else None
+        on_host = set(host_layers(self.layers, fraction))
+        for i, layer in enumerate(self.layers):
+            if i in on_host:
+                self.layers[i] = (HostLayer(device, streams, pool, tokens) if codec is None
+                                  else QuantizedHostLayer(device, streams, pool, tokens, codec=codec))
+            elif codec is not None and type(layer) is DynamicLayer:
+                self.layers[i] = QuantizedDeviceLayer(codec=codec)
+            elif codec is not None and type(layer) is DynamicSlidingWindowLayer:
+                self.layers[i] = QuantizedWindowLayer(layer.sliding_window, codec=codec)
 
     def wait_for_copies(self) -> None:
         """Waits for the appends and fetches still in flight: before the host buffers are freed

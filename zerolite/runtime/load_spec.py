@@ -36,6 +36,7 @@ class LoadSpec:
     gpu_memory: int | str | None = None        # bytes, or a size such as "20GB"
     cpu_memory: int | str | None = None
     kv_offload: float | None = None
+    kv_bits: int | None = None
     experts: str | None = None
     cpu_expert_layers: int | None = None
     io_backend: str | None = None

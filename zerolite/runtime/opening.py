@@ -30,8 +30,9 @@ def open_on_rank(folder: Path, dtype: str | None, policy: Policy, world: World, 
     """The layout in folder on this rank's device, refused before anything loads where its model's
     cache cannot do what K/V offload or a draft (drafting) asks of it."""
     layout = open_layout(folder, dtype)
-    if policy.kv_offload > 0 or drafting:
-        refuse_what_its_cache_cannot_do(AutoConfig.from_pretrained(layout.side_folder), policy.kv_offload > 0, drafting)
+    kv_option = "kv_offload" if policy.kv_offload > 0 else "kv_bits" if policy.kv_bits < 16 else None
+    if kv_option or drafting:
+        refuse_what_its_cache_cannot_do(AutoConfig.from_pretrained(layout.side_folder), kv_option, drafting)
     device = rank_device(policy, world)
     device.adopt_thread()  # what transformers allocates on "cuda" lands on the model's GPU, not GPU 0
     return Opened(layout, device, load_tokenizer(layout.side_folder))
