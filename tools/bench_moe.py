@@ -35,8 +35,9 @@ A step's bound, in the same run: the slower of
   what that run's decode steps read (each layer's dense part and the experts its router picked, in
   step order; for whole layers, every layer whole as many times), per step;
 - the compute: a decode step of the model's own modules with every weight in RAM and no reads, at
-  the same batch (built with few and with more layers, random weights, and scaled to all of them by
-  the difference), zerolite's thread settings.
+  the same batch, zerolite's thread settings: the model built with 5 decoder layers (random
+  weights), each timed, its step made the whole model's by giving each of its layers the mean time
+  of the small model's layers of its kind (dense, or of experts).
 Scattered expert extents may read slower than whole layers in sequence (on virtual disks whose
 host reads ahead, markedly so): the read pass prices that in.
 
@@ -62,6 +63,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -106,7 +108,7 @@ SHAPES = {
                          Path("build/dsv3"), published=True),
 }
 PROMPT_TOKENS = 16
-IN_RAM_LAYERS = (3, 5)  # the in-RAM models' decoder layers, whose steps' difference gives one layer's compute
+IN_RAM_LAYERS = 5  # the in-RAM model's decoder layers (DeepSeek-V3's shape: its dense first and 4 of experts)
 
 
 class StepMeter(StepClock):
@@ -196,31 +198,42 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int, cpu_mem
 @torch.no_grad()
 def run_in_ram(source: str, layers: int, batch_size: int, new_tokens: int) -> dict:
     """In this (fresh) process: the decode steps of source's model built with layers decoder layers,
-    every weight in RAM (random), no reads; with zerolite's thread settings (imported first)."""
+    every weight in RAM (random), no reads, zerolite's thread settings (imported first). Each
+    decoder layer is timed by hooks: the mean decode step, and of it each layer's mean seconds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(source)
     config.num_hidden_layers = layers
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    layer_s: list[list[float]] = []  # per forward, per layer
+    for index, layer in enumerate(model.get_submodule("model.layers")):
+        if index == 0:
+            layer.register_forward_pre_hook(lambda module, args: layer_s.append([]))
+        layer.register_forward_pre_hook(lambda module, args: setattr(module, "_began", time.perf_counter()))
+        layer.register_forward_hook(lambda module, args, out: layer_s[-1].append(time.perf_counter() - module._began))
     ids = prompts(config.vocab_size, batch_size)
     clock = StepClock(lambda tokens: None)
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
-    return {"layers": layers, "mean_step_s": clock.decode_s / clock.decode_steps}
+    decode = layer_s[1:]  # the first forward is the prefill
+    return {"mean_step_s": clock.decode_s / clock.decode_steps,
+            "layer_s": [statistics.mean(forward[i] for forward in decode) for i in range(layers)],
+            "mixture": [find_experts(layer) is not None for layer in model.get_submodule("model.layers")]}
 
 
 def compute_in_ram(args, batch_size: int) -> dict:
     """The compute of a decode step of the whole model at batch_size with every weight in RAM: the
-    model built with IN_RAM_LAYERS layers, each in a fresh process, scaled to all its layers by the
-    per-layer difference (the few layers hold the first dense ones, so the difference is of the
-    mixture's)."""
-    steps = {layers: child(args, "--in-ram", str(layers), "--batch-sizes", str(batch_size))["mean_step_s"]
-             for layers in IN_RAM_LAYERS}
-    few, many = IN_RAM_LAYERS
-    layer_s = (steps[many] - steps[few]) / (many - few)
-    total = json.loads((args.source / "config.json").read_text())["num_hidden_layers"]
-    return {"step_s_by_layers": steps, "layer_s": layer_s, "step_s": steps[many] + (total - many) * layer_s}
+    model built with IN_RAM_LAYERS decoder layers (a fresh process), its step with its layers' time
+    replaced by the whole model's: each of its dense layers and each mixture layer as long as the
+    small model's of that kind, on average."""
+    run = child(args, "--in-ram", str(IN_RAM_LAYERS), "--batch-sizes", str(batch_size))
+    manifest = Layout.open(args.layout).manifest
+    mixture = [manifest.block(name).experts is not None for name in manifest.layer_names]
+    kinds = {kind: statistics.mean(s for s, k in zip(run["layer_s"], run["mixture"]) if k == kind)
+             for kind in set(run["mixture"])}
+    rest_s = run["mean_step_s"] - sum(run["layer_s"])  # embeddings, head, sampling
+    return {**run, "rest_s": rest_s, "step_s": rest_s + sum(kinds[kind] for kind in mixture)}
 
 
 def read_only_pass(layout: Layout, steps: list[list[list[int]]] | None, count: int) -> float:
@@ -356,8 +369,8 @@ def main() -> None:
             r["mean_step_s_runs"] = [run["mean_step_s"] for run in runs]
             r["compute_in_ram"] = compute
             # each run against its own read pass (the whole runs against the one whole read pass)
-            r["bound_s_runs"] = [max(run.get("read_pass_step_s", whole["read_pass_step_s"]), compute["step_s"])
-                                 for run in runs]
+            r["read_pass_step_s_runs"] = [run.get("read_pass_step_s", whole["read_pass_step_s"]) for run in runs]
+            r["bound_s_runs"] = [max(reads, compute["step_s"]) for reads in r["read_pass_step_s_runs"]]
             r["step_over_bound_runs"] = [s / b for s, b in zip(r["mean_step_s_runs"], r["bound_s_runs"])]
             r["step_over_bound"] = statistics.median(r["step_over_bound_runs"])
         routed["speedups"] = [run["decode_tokens_per_s"]
@@ -390,7 +403,6 @@ def print_table(args, results: list[dict]) -> None:
         table.add_column(column, justify="right")
     for r in results:
         routed = r["experts"] == "routed" and "bytes_over_top_k_bound" in r
-        reads = r.get("read_pass_step_s")
 
         def runs(values, form="{:.2f}"):
             return " ".join(form.format(v) for v in values)
@@ -399,7 +411,8 @@ def print_table(args, results: list[dict]) -> None:
             str(r["batch_size"]), r["experts"], runs(r["decode_tokens_per_s_runs"]),
             (f"{r['speedup']:.2f}x" + (f" ({runs(r['speedups'])})" if len(r["speedups"]) > 1 else ""))
             if "speedup" in r else "1.00x",
-            runs(r["mean_step_s_runs"], "{:.3f}"), f"{reads:.3f}" if reads else "-",
+            runs(r["mean_step_s_runs"], "{:.3f}"),
+            runs(r["read_pass_step_s_runs"] if r["experts"] == "routed" else r["read_pass_step_s_runs"][:1], "{:.3f}"),
             f"{r['compute_in_ram']['step_s']:.3f}",
             f"{r['step_over_bound']:.2f}x ({runs(r['step_over_bound_runs'])})",
             f"{statistics.median(r['bytes_per_step']) / 1e9:.3f}",
