@@ -253,12 +253,14 @@ def test_each_layer_routed_per_expert_waits_for_the_device_once(tiny, monkeypatc
     assert len(taken) == sum(map(len, forwards))
 
 
+@pytest.mark.parametrize("top_k", [2, 4])
 @pytest.mark.parametrize("arch", list(MOE_SHAPES))
-def test_one_tokens_two_experts_computed_apart_equal_one_call_bit_for_bit(arch, make_layout, monkeypatch):
-    """At batch 1 on a CPU, in bfloat16, the expert here first computes while the other still
-    reads (Executor.routing). Forced at every layer of every decode step, the logits equal those
-    of the layers streamed whole (one call of the experts module per layer) bit for bit."""
-    layout = make_layout(arch, layers=4, dtype="bf16")
+def test_one_tokens_experts_computed_apart_equal_one_call_bit_for_bit(arch, top_k, make_layout, monkeypatch):
+    """At batch 1 on a CPU, in bfloat16, each of a token's top_k experts computes as it lands while
+    the others still read (ExpertRouting.routing). Forced at every layer of every decode step, the
+    logits equal those of the layers streamed whole (one call of the experts module per layer) bit
+    for bit."""
+    layout = make_layout(arch, layers=4, dtype="bf16", **({"num_experts_per_tok": top_k} if top_k != 2 else {}))
     with zerolite.load(layout, prefetch_depth=2, experts="whole", **NVME) as lm:
         whole = greedy(lm, SINGLE, NEW_TOKENS, logits=True)
     first_here = Slots.first_here
@@ -271,7 +273,7 @@ def test_one_tokens_two_experts_computed_apart_equal_one_call_bit_for_bit(arch, 
     monkeypatch.setattr(Slots, "first_here", other_still_reading)
     with zerolite.load(layout, prefetch_depth=2, **NVME) as lm:
         split = greedy(lm, SINGLE, NEW_TOKENS, logits=True)
-    assert len(apart) >= NEW_TOKENS - 1  # the decode steps' layers whose token picked two experts
+    assert len(apart) >= (NEW_TOKENS - 1) * (top_k - 1)  # each decode step's token's experts but the last
     assert torch.equal(split.sequences, whole.sequences)
     assert all(torch.equal(a, b) for a, b in zip(split.logits, whole.logits, strict=True))
 

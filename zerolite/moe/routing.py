@@ -67,9 +67,10 @@ class ExpertRouting:
            must be finite too, or attention's zero weights on them would still make NaN)
         2. ask for them: those not here already (guessed, cached) start reading now
         3. guess the next layer's from these hidden states; read early those of reliable ranks
-        4. wait for this layer's; but where one token picked two experts and only one of them is
-           here (on a CPU), return the experts module's arguments narrowed to that one: it
-           computes while the other lands, and routed_later() adds the other's share
+        4. wait for this layer's; but where one token picked k experts and some are still
+           reading (on a CPU), return the experts module's arguments narrowed to the one here
+           first: it computes while the others land, and routed_later() adds theirs, each as it
+           lands (at batch 1 a step's compute is mostly its experts', and so it overlaps their reads)
         """
         upcoming = self._next_layer.get(name)
         if upcoming is not None and not (self.guess.can_guess(upcoming) and self.slots.holds(upcoming)):
@@ -88,30 +89,37 @@ class ExpertRouting:
             ranks = [guessed[rank * tokens:(rank + 1) * tokens] for rank in range(named.shape[0])]
             self.slots.want_experts(upcoming, self.guess.next(upcoming, ranks))
         self._routed.add(name)
-        if not (chosen.shape == (1, 2) and len(routed) == 2 and weights is not None and not self.device.separate_memory
-                and splits_exactly(experts, hidden)):
+        if not (chosen.shape[0] == 1 and len(routed) == chosen.shape[1] > 1 and weights is not None
+                and not self.device.separate_memory and splits_exactly(experts, hidden)):
             self.slots.wait_experts(name, routed)
             return None
-        here, both = self.slots.first_here(name, routed)
-        if both:
+        here, every = self.slots.first_here(name, routed)
+        if every:
             return None
         first = chosen[0].tolist().index(here)
         self._later[name] = (hidden, chosen, weights, first)
         return hidden, chosen[:, first:first + 1], torch.ones_like(weights[:, :1])
 
     def routed_later(self, name: str, experts: nn.Module, output: torch.Tensor) -> torch.Tensor | None:
-        """The layer's output once the expert routing() left for later is here: each expert's output
-        (asked for with weight 1, so exactly its own), weighted and summed over k as grouped_mm
-        sums them (in the weights' precision, rounded once), so the result is the one call's."""
+        """The layer's output once the experts routing() left for later are here, each computed as
+        it lands (the soonest of those left first): each expert's output (asked for with weight 1,
+        so exactly its own: one token's row through each expert, as in the one call), weighted and
+        summed over k as grouped_mm sums them (in the weights' precision, rounded once), so the
+        result is the one call's."""
         later = self._later.pop(name, None)
         if later is None:
             return None
         hidden, chosen, weights, first = later
-        self.slots.wait_experts(name, [chosen[0, 1 - first].item()])
-        # forward itself, not the module's call: no hooks again
-        second = experts.forward(hidden, chosen[:, 1 - first:2 - first], torch.ones_like(weights[:, :1]))
-        own = (output, second) if first == 0 else (second, output)
-        return torch.stack([own[k] * weights[:, k:k + 1] for k in range(2)], dim=1).sum(dim=1).to(hidden.dtype)
+        picks = chosen[0].tolist()
+        one = torch.ones_like(weights[:, :1])
+        own = {first: output}
+        left = [expert for k, expert in enumerate(picks) if k != first]
+        while left:
+            here, _ = self.slots.first_here(name, left)
+            left.remove(here)
+            k = picks.index(here)
+            own[k] = experts.forward(hidden, chosen[:, k:k + 1], one)  # forward itself, not the call: no hooks again
+        return torch.stack([own[k] * weights[:, k:k + 1] for k in range(len(picks))], dim=1).sum(dim=1).to(hidden.dtype)
 
     def layer_done(self, name: str) -> None:
         """A streamed layer's forward ended: a per-expert layer must have been through routing()."""
@@ -157,7 +165,7 @@ class ForwardReplaced:
 
 
 def splits_exactly(experts: nn.Module | None, hidden: torch.Tensor) -> bool:
-    """Whether a token's two experts computed apart give the one call's result bit for bit: with
+    """Whether a token's experts computed apart give the one call's result bit for bit: with
     transformers' grouped_mm (the default, on CPUs too), whose sum over k routed_later() repeats,
     on bfloat16, where it runs torch's own grouped matmul. (Other dtypes go through its per-expert
     fallback, whose float32 matmul rounds a row differently by where it lands in the output: 1e-5
