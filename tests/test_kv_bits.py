@@ -185,7 +185,8 @@ def test_the_running_batch_moves_packed_rows_as_it_moves_states():
     of the decoded states. (Whole runs of the running batch do not compare token for token with
     generate: a batch's matmuls round differently, which at 8 or 4 bits can tip a code.)"""
     from transformers import DynamicCache
-    from zerolite.serve.running_batch import RunningBatch
+
+    from zerolite.decoding.running_batch import RunningBatch
 
     config = tiny_config("llama", layers=2)
     quantized = PartialOffloadCache(config, 0.5, resolve("cpu"), bits=4)
