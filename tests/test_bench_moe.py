@@ -39,9 +39,10 @@ def stored(folder: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
 
 
 def test_the_deepseek_v3_checkpoint_is_written_as_published_and_the_same_every_time(tmp_path):
-    """Per-expert tensors under the names save_pretrained gives them, the router bf16 but its score
-    correction bias float32, whole layers in shards of at most the size asked (the first holding the
-    embeddings), loaded by transformers with nothing missing; written twice, the same bytes."""
+    """Per-expert tensors under the names save_pretrained gives them, bf16 but the router's weight
+    and score correction bias (float32, as transformers keeps them), whole layers in shards of at
+    most the size asked (the first holding the embeddings), loaded by transformers with nothing
+    missing; written twice, the same bytes."""
     shard_bytes = 200_000
     total = write_checkpoint(tmp_path / "ours", "deepseek_v3", TINY_DEEPSEEK_V3, shard_bytes=shard_bytes,
                              report=lambda line: None)
@@ -54,7 +55,8 @@ def test_the_deepseek_v3_checkpoint_is_written_as_published_and_the_same_every_t
     assert "model.layers.2.mlp.shared_experts.down_proj.weight" in ours
     for name, (dtype, shape, _) in ours.items():
         assert shape == theirs[name][1], name
-        assert dtype == ("F32" if name.endswith("e_score_correction_bias") else "BF16"), name
+        assert dtype == theirs[name][0] == ("F32" if name.endswith(("e_score_correction_bias", "gate.weight"))
+                                            else "BF16"), name
     shards = {}
     for name, (_, _, shard) in ours.items():
         layer = name.split(".")[2] if name.startswith("model.layers.") else None

@@ -48,7 +48,9 @@ def write_checkpoint(source: Path, model_type: str, config: dict, shard_bytes: i
     - a mixture's experts one tensor per expert and projection, as DeepSeek-V3, Mixtral-style
       checkpoints publish them (mlp.experts.N.gate_proj.weight, up_proj, down_proj), not the fused
       [experts, ...] tensors transformers 5 builds from them while loading;
-    - every tensor bf16 but a router's score correction bias (float32, as DeepSeek-V3 ships it);
+    - every tensor bf16 but those the model's class keeps in float32 (DeepSeek-V3's router weight and
+      its score correction bias), stored as save_pretrained stores them: streamed in place, a tensor
+      must be stored in the dtype the run holds it in;
     - decoder layers whole, in order, in shards of at most shard_bytes (one layer may exceed it).
     Random normal weights (std 0.02), norms at 1, correction biases at 0: the same bytes on every
     machine (one generator, seed 0, drawn in a fixed order), so a deleted model can be remade."""
@@ -60,13 +62,15 @@ def write_checkpoint(source: Path, model_type: str, config: dict, shard_bytes: i
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16)
     tensors = checkpoint_tensors({name: tuple(t.shape) for name, t in meta.state_dict().items()})
+    kept_float32 = {name for name, t in meta.state_dict().items() if t.dtype == torch.float32}
     shards = shard_groups(tensors, shard_bytes)
     source.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)
     weight_map, total = {}, 0
     for index, group in enumerate(shards):
         shard = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        written = {name: random_tensor(name, tensors[name], generator) for name in group}
+        written = {name: random_tensor(name, tensors[name], generator,
+                                       torch.float32 if name in kept_float32 else torch.bfloat16) for name in group}
         save_file(written, source / shard, metadata={"format": "pt"})
         total += sum(t.nbytes for t in written.values())
         weight_map.update(dict.fromkeys(group, shard))
@@ -122,11 +126,11 @@ def shard_groups(tensors: dict[str, tuple[int, ...]], shard_bytes: int) -> list[
     return shards
 
 
-def random_tensor(name: str, shape: tuple[int, ...], generator):
+def random_tensor(name: str, shape: tuple[int, ...], generator, dtype):
     import torch
 
     if name.endswith("e_score_correction_bias"):
-        return torch.zeros(shape, dtype=torch.float32)
+        return torch.zeros(shape, dtype=dtype)
     if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=torch.bfloat16)
-    return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        return torch.ones(shape, dtype=dtype)
+    return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
