@@ -77,6 +77,7 @@ from rich.table import Table
 from models import convert_missing, make_model, write_checkpoint
 from zerolite.generate.stats import StepClock
 from zerolite.io.engine import IoEngine
+from zerolite.layout.expert_parts import expert_read
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import BlockEntry, Piece
 from zerolite.layout.read_pass import read_pass
@@ -263,9 +264,12 @@ def routed_parts(layout: Layout, steps: list[list[list[int]]]) -> tuple[Layout, 
             parts[dense] = part_of(block, dense, 0, block.dense_length, block.experts.dense_crc32)
             names.append(dense)
             for expert in experts:
-                start, length = block.experts.extent(expert)
                 name = f"{block.name}.expert{expert}"
-                parts[name] = part_of(block, name, start, length, block.experts.crc32s[expert])
+                if block.experts.sources is None:
+                    start, length = block.experts.extent(expert)
+                    parts[name] = part_of(block, name, start, length, block.experts.crc32s[expert])
+                else:
+                    parts[name] = expert_in_place(block, name, expert)
                 names.append(name)
     return Layout(layout.folder, replace(layout.manifest, blocks=tuple(parts.values()))), names
 
@@ -282,6 +286,15 @@ def part_of(block: BlockEntry, name: str, start: int, length: int, crc32: int | 
             pieces.append(Piece(piece.shard, piece.offset + low - at, high - low))
         at += piece.length
     return BlockEntry(name, 0, length, None, (), pieces=tuple(pieces))
+
+
+def expert_in_place(block: BlockEntry, name: str, expert: int) -> BlockEntry:
+    """One expert of a mixture's layer in place as a block of its own: the pages of the shards the
+    runtime reads for it (zerolite.layout.expert_parts), without the copies from scratch into place."""
+    plan = expert_read(block.experts.sources, expert, block.experts.stride, direct=True)
+    pieces = [Piece(shard, offset, length) for shard, offset, length, _ in plan.direct]
+    pieces += [Piece(shard, offset, length) for shard, offset, length in plan.reads]
+    return BlockEntry(name, 0, sum(p.length for p in pieces), None, (), pieces=tuple(pieces))
 
 
 def child(args, *how: str) -> dict:
