@@ -44,7 +44,7 @@ ZEROLITE_AVX512BF16 void tile_bf16(const Bf16Weight& w, const Bf16Rows& r, int64
     for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
   const int64_t in = w.in_features;
   for (int64_t k = 0; k < in; k += 32) {
-    __mmask32 mask = in - k >= 32 ? ~static_cast<__mmask32>(0) : static_cast<__mmask32>((1ull << (in - k)) - 1);
+    __mmask32 mask = tail_mask<__mmask32>(in - k);
     __m512bh xs[M];
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, r.x + (m0 + m) * r.x_stride + k);
@@ -74,7 +74,7 @@ ZEROLITE_AVX512 void tile_avx512(const Bf16Weight& w, const Bf16Rows& r, int64_t
     for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
   const int64_t in = w.in_features;
   for (int64_t k = 0; k < in; k += 16) {
-    __mmask16 mask = in - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (in - k)) - 1);
+    __mmask16 mask = tail_mask<__mmask16>(in - k);
     __m512 xs[M];
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) xs[m] = widen_avx512(mask, r.x + (m0 + m) * r.x_stride + k);

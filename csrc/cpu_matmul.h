@@ -87,4 +87,16 @@ void bf16_matmul(const Bf16Weight& weight, const Bf16Rows& rows, CpuPath path, i
 #define ZEROLITE_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma")))
 #define ZEROLITE_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,avx2,fma")))
+
+namespace zerolite {
+
+// The lanes a step of a row reads: all of the mask's bits, or at a row's end the `left` columns
+// there are (a masked load there reads nothing past the row).
+template <typename Mask>
+inline Mask tail_mask(int64_t left) {
+  constexpr int64_t bits = 8 * sizeof(Mask);
+  return left >= bits ? static_cast<Mask>(~0ull) : static_cast<Mask>((1ull << left) - 1);
+}
+
+}  // namespace zerolite
 #endif

@@ -45,7 +45,7 @@ ZEROLITE_AVX512 void tile_avx512(const Int8Weight& w, const float* x, int64_t x_
     for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
   const int64_t in = w.in_features;
   for (int64_t k = 0; k < in; k += 16) {
-    __mmask16 mask = in - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (in - k)) - 1);
+    __mmask16 mask = tail_mask<__mmask16>(in - k);
     __m512 xs[M];
     #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(mask, x + m * x_stride + k);
@@ -183,7 +183,7 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int8Weight& w, const QuantizedRows& xq,
   const int64_t in = w.in_features;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t k = 0, s = 0; k < in; k += STEP, ++s) {
-    const __mmask64 mask = in - k >= STEP ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << (in - k)) - 1;
+    const __mmask64 mask = tail_mask<__mmask64>(in - k);  // STEP is 64 columns
     __m512i xs[M];
     __m512 steps[M];
 #pragma GCC unroll 16
