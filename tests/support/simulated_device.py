@@ -560,7 +560,10 @@ class ReadChecker(TorchDispatchMode):
 def rows_read(func, args, kwargs) -> dict[int, list[torch.Tensor]]:
     """{id(argument): the rows it reads} for kernels that read a stack of experts by index, so the
     ledger checks the experts routed to, as a GPU reads them, not the whole stack: a copy of an
-    expert no token was routed to may still be landing in its own rows."""
+    expert no token was routed to may still be landing in its own rows. Meta tensors (a probe of the
+    model's shapes) hold no rows to read."""
+    if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(args)):
+        return {}
     if func is torch.ops.aten._grouped_mm.default:
         weights = args[1]
         offsets = args[2] if len(args) > 2 else kwargs.get("offs")

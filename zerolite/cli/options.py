@@ -51,6 +51,10 @@ KvOffload = Annotated[float, typer.Option(
 KvBits = Annotated[int, typer.Option(
     "--kv-bits", help="Bits of the K/V cache, in every tier: 16 (the model's dtype), or 8 / 4, each token's keys and "
     "values quantized in groups with their scales as they are added, so about 2x / 3.5x the sequences fit.")]
+KvAttention = Annotated[str, typer.Option(
+    "--kv-attention", help="Where attention over the K/V in host memory (--kv-offload) runs: device copies those "
+    "layers' K/V to the GPU each step; cpu computes it on the CPU, where the K/V lives, only the query and the "
+    "output crossing the link; auto takes zerolite plan's choice where generate plans the job (else device).")]
 Experts = Annotated[str, typer.Option(
     "--experts", help="A mixture of experts: device (or routed) moves only the experts the router picks at each step "
     "to the device, whole moves every expert, as a dense layer streams; cpu (on a GPU) computes the routed experts on "
@@ -87,6 +91,7 @@ LOAD_OPTIONS = {
     "cpu_memory": (CpuMemory, None),
     "kv_offload": (KvOffload, 0.0),
     "kv_bits": (KvBits, 16),
+    "kv_attention": (KvAttention, "auto"),
     "experts": (Experts, "auto"),
     "cpu_expert_layers": (CpuExpertLayers, None),
     "weights": (Weights, None),

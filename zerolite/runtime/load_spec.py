@@ -37,6 +37,7 @@ class LoadSpec:
     cpu_memory: int | str | None = None
     kv_offload: float | None = None
     kv_bits: int | None = None
+    kv_attention: str | None = None
     experts: str | None = None
     cpu_expert_layers: int | None = None
     io_backend: str | None = None

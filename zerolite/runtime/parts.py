@@ -31,6 +31,7 @@ from zerolite.quant.bf16_linear import use_bf16_kernel
 from zerolite.quant.linear import dequantize_resident, keeps_dense
 from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
+from zerolite.runtime.host_attention import host_attending_caches
 from zerolite.runtime.kv_cache import OffloadedCaches
 from zerolite.runtime.plan import Plan, spread
 from zerolite.runtime.policy import Policy
@@ -126,8 +127,10 @@ def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, worl
                   max((manifest.block(name).length for name in plan.streamed), default=0), timeline, per_expert,
                   expert_cache, device_bytes=max((bound[name].length for name in plan.streamed), default=0),
                   host_experts=host_experts)
+    attended_on_host = policy.kv_attention == "cpu" and policy.kv_offload > 0
+    caches = (attended_on_host and host_attending_caches(model, device, world.leads)) or OffloadedCaches(device)
     return Parts(layout, policy, plan, device, world, timeline, model, engine, disk, bindings, routing, expert_cache,
-                 slots, OffloadedCaches(device), loaded_bytes, load_read_gbps, experts_note)
+                 slots, caches, loaded_bytes, load_read_gbps, experts_note)
 
 
 def host_expert_layers(per_expert: frozenset[str], layers, policy: Policy, separate_memory: bool) -> frozenset[str]:

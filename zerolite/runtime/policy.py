@@ -14,6 +14,7 @@ from zerolite.memory_model import KV_BITS
 
 OFFLOAD_CHOICES = ("nvme", "cpu", "none")
 EXPERTS_CHOICES = ("routed", "whole", "device", "cpu", "auto")
+KV_ATTENTION_CHOICES = ("auto", "device", "cpu")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class Policy:
     kv_offload: float = 0.0            # fraction of the layers whose K/V cache lives in host memory
     kv_bits: int = 16                  # the K/V cache's bits: 16 (the model's dtype), or 8 / 4 (group-wise
                                        # integers with their scales, zerolite.quant.kv_codec), in every tier
+    kv_attention: str = "auto"         # where attention over K/V in host memory runs: "device" copies the K/V
+                                       # there each step, "cpu" computes it on the host, moving only the query
+                                       # and the output (zerolite.runtime.host_attention); "auto" is device
+                                       # unless a plan chose
     experts: str = "auto"              # a mixture of experts' layers: "routed" (or "device") moves only the
                                        # experts the router picks, "whole" every expert, as a dense layer
                                        # streams; "cpu" computes the routed experts on the host from host
@@ -55,6 +60,9 @@ class Policy:
             raise ZeroliteError(f"unknown `experts` {self.experts!r}: choose one of {', '.join(EXPERTS_CHOICES)}")
         if self.experts == "device":
             object.__setattr__(self, "experts", "routed")  # the experts routed to, moved to the device
+        if self.kv_attention not in KV_ATTENTION_CHOICES:
+            raise ZeroliteError(f"unknown `kv_attention` {self.kv_attention!r}: choose one of "
+                                f"{', '.join(KV_ATTENTION_CHOICES)}")
         if self.cpu_expert_layers is not None and (self.experts != "cpu" or self.cpu_expert_layers < 0):
             raise ZeroliteError(f"`cpu_expert_layers` counts the layers whose experts the CPU computes: give "
                                 f"0 or more with `experts` cpu, not {self.cpu_expert_layers} with {self.experts}")
