@@ -16,6 +16,7 @@ from support.helpers import greedy, new_tokens_alone
 from support.simulated_device import OrderingError, SimulatedDevice
 from support.tiny_models import tiny_config
 from test_running_batch import prompts, staggered
+from zerolite.cli.plan_summary import summarize
 from zerolite.hf import build_meta_model
 from zerolite.io.device import resolve
 from zerolite.runtime.host_attention import HostAttendedLayer, host_attending_caches, unfit
@@ -89,6 +90,8 @@ def test_the_link_carries_no_kv_of_layers_attended_on_the_host(kv_attention, mak
         host = [layer for layer in cache.layers if isinstance(layer, HostLayer)]
         assert len(host) == LAYERS // 2
         assert all(isinstance(layer, HostAttendedLayer) for layer in host) == (kv_attention == "cpu")
+        said = [line for line in summarize(lm) if line.startswith("K/V cache: ")]
+        assert ("attended there by the CPU" in said[0]) == (kv_attention == "cpu"), said
     assert (sum(counted) == 0) == (kv_attention == "cpu"), counted
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zerolite.memory_model import kv_bytes_per_token
 from zerolite.progress import stderr
+from zerolite.runtime.host_attention import HostAttendingCaches
 from zerolite.runtime.kv_cache import offloaded_share
 
 
@@ -63,6 +64,8 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     kv = f"K/V cache: {on_host} of {layers} layers in host memory" + (f", at {bits} bits" if bits < 16 else "")
     if fraction and not on_host:
         kv += " (--kv-offload moves full-attention layers only, and this model has none)"
+    if on_host and isinstance(lm.parts.caches, HostAttendingCaches):
+        kv += ", attended there by the CPU (only the query and the output cross the link)"
     if batch_size and tokens:
         kv_bytes = batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype, bits)
         kv += f", {kv_bytes / 1e9:.2f} GB in all at most (batch {batch_size} x {tokens} tokens)"
