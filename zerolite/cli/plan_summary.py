@@ -65,7 +65,8 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     if fraction and not on_host:
         kv += " (--kv-offload moves full-attention layers only, and this model has none)"
     if on_host and isinstance(lm.parts.caches, HostAttendingCaches):
-        kv += ", attended there by the CPU (only the query and the output cross the link)"
+        kv += ", attended there by the CPU" + (" (only the query and the output cross the link)"
+                                               if lm.device.separate_memory else "")
     if batch_size and tokens:
         kv_bytes = batch_size * tokens * kv_bytes_per_token(config, lm.model.dtype, bits)
         kv += f", {kv_bytes / 1e9:.2f} GB in all at most (batch {batch_size} x {tokens} tokens)"
