@@ -16,7 +16,7 @@ arithmetic is the base's: on a CPU, and on the simulated device, the tokens are 
 
 A family whose attention does something else with the cache's K/V first (DeepSeek-V3's MLA
 expands its latent with kv_b_proj, whose weights are on the device) is found by a probe run on
-the meta device (fits()); its attention stays on the device.
+the meta device (unfit()); its attention stays on the device, said in one line.
 """
 
 from __future__ import annotations
