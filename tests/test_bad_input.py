@@ -108,6 +108,8 @@ CASES = [
          id="generate-kv-offload-negative"),
     case("generate hi --model {layout} --device cpu --kv-bits 3", "--kv-bits", "16, 8, 4, not 3",
          id="generate-kv-bits-3"),
+    case("generate hi --model {layout} --device cpu --micro-batches 0", "--micro-batches",
+         "greater than or equal to 1", id="generate-micro-batches-0"),
     # generate: files in and out
     case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist",
          id="generate-input-missing"),
