@@ -110,6 +110,8 @@ CASES = [
          id="generate-kv-bits-3"),
     case("generate hi --model {layout} --device cpu --kv-attention gpu", "--kv-attention", "auto, device, cpu",
          id="generate-kv-attention-gpu"),
+    case("generate hi --model {layout} --device cpu --micro-batches 0", "--micro-batches",
+         "greater than or equal to 1", id="generate-micro-batches-0"),
     # generate: files in and out
     case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist",
          id="generate-input-missing"),

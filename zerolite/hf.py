@@ -153,7 +153,7 @@ def refuse_what_its_cache_cannot_do(config, kv_option: str | None, draft: bool) 
     """Said before anything loads, not as a forward's error (or, rewinding a state, wrong tokens):
 
     - a model whose forward makes a cache class of its own (MiniMax's, RWKV's state) refuses any
-      other, and the cache kv_option (kv_offload or kv_bits, where one is set) asks for and a draft's are
+      other, and the cache kv_option (kv_offload, kv_bits or micro_batches) asks for and a draft's are
       DynamicCaches (transformers' own test for such models: _supports_default_dynamic_cache);
     - speculative decoding rewinds the target's cache past the guesses it rejects, which crop cannot
       do to a recurrent state (state-space, linear-attention and recurrent layers: transformers'
@@ -166,7 +166,8 @@ def refuse_what_its_cache_cannot_do(config, kv_option: str | None, draft: bool) 
     name = model_class.__name__ if model_class is not None else type(config).__name__
     if model_class is not None and not model_class._supports_default_dynamic_cache():
         if kv_option:
-            what = "split between device and host memory" if kv_option == "kv_offload" else "quantize"
+            what = {"kv_offload": "split between device and host memory", "kv_bits": "quantize",
+                    "micro_batches": "split by rows"}[kv_option]
             raise ZeroliteError(f"{name} keeps its cache in a class of its own, which `{kv_option}` cannot {what}: "
                                 f"leave out `{kv_option}`")
         raise ZeroliteError(f"{name} keeps its cache in a class of its own, which speculative decoding cannot rewind: "

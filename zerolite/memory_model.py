@@ -6,6 +6,7 @@ dequantisation of its quantized weights take, from the model's shape and the wei
     kv_bytes_per_token(config, torch.bfloat16)           # the same, over every layer
     kv_bytes_per_token(config, torch.bfloat16, bits=4)   # K/V kept at 4 bits, with their scales
     prefill_activation_bytes(shape, 512, torch.bfloat16)  # one sequence's widest moment
+    prefill_carried_bytes(shape, 512, torch.bfloat16)     # what it keeps while other micro-batches run
 
 The runtime (--batch-size auto, budgets, preflight) and the planner (its cost model) both ask here,
 so that the batch the planner chooses is one the runtime lets run. The weights' own bytes in each
@@ -124,6 +125,13 @@ def prefill_activation_bytes(shape: ModelShape, prompt_tokens: int, dtype: torch
     per_token = (6 * shape.hidden + 3 * shape.intermediate) * dtype.itemsize
     scores = shape.heads * prompt_tokens * prompt_tokens * SCORE_BYTES
     return prompt_tokens * per_token + scores + LOGIT_COPIES * shape.vocab * SCORE_BYTES
+
+
+def prefill_carried_bytes(shape: ModelShape, prompt_tokens: int, dtype: torch.dtype) -> int:
+    """What one sequence holds through the prefill's whole pass over the layers when they run in
+    micro-batches, beside the micro-batch running: its hidden states into the layer and out of it
+    (twice out, while the micro-batches' outputs are joined), and its last position's logits."""
+    return 3 * prompt_tokens * shape.hidden * dtype.itemsize + LOGIT_COPIES * shape.vocab * SCORE_BYTES
 
 
 def quantized_weight_count(weights: str, nbytes: int) -> int:

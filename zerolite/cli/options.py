@@ -65,6 +65,11 @@ CpuExpertLayers = Annotated[int | None, typer.Option(
     "--cpu-expert-layers", min=0, help="With --experts cpu: how many of the layers read per expert have their "
     "experts computed on the CPU, spread among the others, whose experts go to the GPU (default: all).",
     show_default=False)]
+MicroBatches = Annotated[int | None, typer.Option(
+    "--micro-batches", min=1, help="Split each batch into this many micro-batches that one pass over the weights "
+    "serves, prefill included: each layer, once loaded, runs every micro-batch before the next, so the device holds "
+    "one micro-batch's activations and the batch is capped by the K/V and host memory (default: 1).",
+    show_default=False)]
 Weights = Annotated[str | None, typer.Option(
     "--weights", help="stored (the checkpoint's own precision), or int8 / int4: its layers' weights converted so, once "
     "(a quarter of the bytes to stream with int4).", show_default=False)]
@@ -94,6 +99,7 @@ LOAD_OPTIONS = {
     "kv_attention": (KvAttention, "auto"),
     "experts": (Experts, "auto"),
     "cpu_expert_layers": (CpuExpertLayers, None),
+    "micro_batches": (MicroBatches, None),
     "weights": (Weights, None),
     "allow_pickle": (AllowPickle, False),
     "draft": (Draft, None),

@@ -57,6 +57,8 @@ class RunningBatch:
         self.rows: list[Row] = []
         self.cache = None
         self.computed = 0             # tokens the last step computed over all rows, the padding included
+        if lm.policy.micro_batches > 1:
+            raise ZeroliteError(MICRO_BATCHES_SPLIT_STATIC)
         forward = inspect.signature(self.model.forward).parameters
         if cache_keyword() not in forward:
             raise ZeroliteError(STATE_OF_ITS_OWN)
@@ -209,6 +211,10 @@ class RunningBatch:
                     layer.cumulative_length = layer.keys.shape[-2]  # a sliding window's own count of tokens seen
 
 
+# Micro-batches give each a cache of its own, made at the prefill; the running batch's rows join and
+# leave one cache, which its micro-batches would have to share.
+MICRO_BATCHES_SPLIT_STATIC = ("`micro_batches` splits a batch that starts together (generate's static batches), not "
+                              "a running batch whose rows join and leave: leave out `micro_batches`")
 # RWKV's forward takes a `state` of its own, not a cache: what it would be handed, it would not use
 STATE_OF_ITS_OWN = ("zerolite serve batches sequences by their K/V columns, and this model keeps a state of its own "
                     "instead of a cache: serve a model with attention layers only")

@@ -113,6 +113,8 @@ def why_not_continuous(lm, sampling: Sampling) -> str | None:
         return "under torchrun the prompts are dealt out to the ranks batch by batch"
     if lm.draft is not None:
         return "a draft's speculative decoding runs one prompt at a time, through transformers' generate"
+    if lm.policy.micro_batches > 1:
+        return "micro-batches split batches that start together, each with a cache of its own"
     rules = rules_beyond_choice(sampling.generation_config(lm.generation_config, pad_id=0))
     if rules:
         return f"the model's generation config sets {', '.join(rules)}, which only transformers' generate applies"

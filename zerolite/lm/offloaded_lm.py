@@ -27,6 +27,7 @@ from zerolite.lm.generate_call import (
 )
 from zerolite.moe.counts import ExpertCounts
 from zerolite.runtime.executor import Executor
+from zerolite.runtime.micro_batches import MicroBatchCache
 from zerolite.runtime.plan import Plan
 from zerolite.runtime.policy import Policy
 from zerolite.speculative.decoding import Speculator, speculative_decoding
@@ -86,8 +87,13 @@ class OffloadedLM:
     def new_cache(self, tokens: int = 0):
         """The cache generate would make: with kv_offload, that share of the layers' K/V in host memory,
         its buffers made for tokens (where the job's length is known) from the pool all caches share;
-        with kv_bits, the K/V quantized."""
-        return self.parts.caches.new(self.model.config, self.policy.kv_offload, tokens, self.policy.kv_bits)
+        with kv_bits, the K/V quantized; with micro_batches, one such cache per micro-batch."""
+        def one():
+            return self.parts.caches.new(self.model.config, self.policy.kv_offload, tokens, self.policy.kv_bits)
+
+        if self.policy.micro_batches > 1:
+            return MicroBatchCache([one() for _ in range(self.policy.micro_batches)])
+        return one()
 
     def recover(self) -> None:
         """After a forward that raised half-way: what was running unbound and its slots freed, so
@@ -101,7 +107,8 @@ class OffloadedLM:
     def generate(self, *args, **kwargs):
         """transformers' generate, with tensor arguments moved to the model's device and, with
         kv_offload set, a cache that keeps that fraction of the layers' K/V in host memory (with
-        kv_bits, a cache that keeps its K/V quantized); with a draft, speculative decoding."""
+        kv_bits, a cache that keeps its K/V quantized; with micro_batches, a cache per micro-batch);
+        with a draft, speculative decoding."""
         input_ids = args[0] if args else kwargs.get("input_ids")
         kwargs = checked_arguments(self.model, input_ids, kwargs, speculating=self.draft is not None)
         if self.draft is not None:
@@ -109,7 +116,9 @@ class OffloadedLM:
             kwargs["custom_generate"] = functools.partial(speculative_decoding, speculator=self.speculator,
                                                           streamer=kwargs.get("streamer"))
         args, kwargs = on_device(args, kwargs, self.torch_device)
-        own_cache = (self.policy.kv_offload > 0 or self.policy.kv_bits < 16) and given_cache(kwargs) is None
+        # micro-batches need a cache per micro-batch; a draft's speculative decoding runs one sequence
+        micro = self.policy.micro_batches > 1 and self.draft is None
+        own_cache = (self.policy.kv_offload > 0 or self.policy.kv_bits < 16 or micro) and given_cache(kwargs) is None
         config = streaming_config(self.model, kwargs, own_cache)
         cache = self.new_cache(job_length(input_ids, kwargs, config)) if own_cache else None
         if cache is not None:

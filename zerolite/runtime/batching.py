@@ -6,8 +6,10 @@ activations fit in the memory the weights left, since one pass over the weights 
 The estimate is deliberately simple and errs large: K/V for every position of the longest prompt
 plus every new token, at the policy's kv_bits (with what reading quantized K/V decodes), and the
 prefill's activations (the widest moment of a run), all as zerolite.memory_model counts them, the
-planner's cost model alike. Host memory is what the machine has available, or less where a memory
-cgroup limits this process (zerolite.runtime.host_memory).
+planner's cost model alike. In micro-batches (--micro-batches) the device holds one micro-batch's
+activations at a time, and every other sequence only what it carries through the pass. Host memory
+is what the machine has available, or less where a memory cgroup limits this process
+(zerolite.runtime.host_memory).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from zerolite.memory_model import (
     kv_bytes_per_token_by_layer,
     kv_decode_bytes_per_token,
     prefill_activation_bytes,
+    prefill_carried_bytes,
 )
 from zerolite.runtime.host_memory import host_room
 from zerolite.runtime.kv_cache import host_layers
@@ -73,7 +76,8 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     else:
         device_free = host_free
         per_sequence_device, per_sequence_host = kv + activations, 0.0
-    fits = int(device_free // per_sequence_device)
+    fits = fitting_rows(device_free, per_sequence_device, activations, lm.policy.micro_batches,
+                        prefill_carried_bytes(ModelShape.of(config), longest, dtype))
     if per_sequence_host:
         fits = min(fits, int(host_free // per_sequence_host))
     if fits < 1:
@@ -83,6 +87,19 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
             "or keep fewer blocks resident"
         )
     return max(1, min(fits, len(prompt_tokens), MAX_BATCH))
+
+
+def fitting_rows(free: float, per_sequence: float, activations: float, micro_batches: int, carried: int) -> int:
+    """How many sequences fit in free bytes, each taking per_sequence there (its K/V and its
+    activations). In micro-batches only the largest micro-batch's rows take their activations at
+    once; every other row keeps what it carries through the pass (carried) beside its K/V."""
+    if micro_batches == 1:
+        return int(free // per_sequence)
+    kept = per_sequence - activations + carried
+    rows = int(free // (kept + activations / micro_batches))
+    while rows > 0 and rows * kept + -(-rows // micro_batches) * activations > free:
+        rows -= 1
+    return rows
 
 
 def host_kv_share(config, fraction: float, dtype) -> float:

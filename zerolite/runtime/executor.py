@@ -9,6 +9,9 @@ forward code runs unchanged, so any architecture transformers has works.
 While block i computes, the blocks the schedule expects next are already being read (and, where
 the device has memory of its own, copied), up to prefetch_depth - 1 ahead.
 
+With micro-batches, a layer bound once runs each of them (zerolite.runtime.micro_batches) before
+its hook drops it: one load per layer per step serves the whole batch.
+
 A mixture's layer laid out per expert streams its dense part that way; hooks on its experts
 module then bring only the experts the step's router picked, and guess the next layer's, so that
 their reads start early (zerolite.moe.routing).
@@ -21,6 +24,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from zerolite.layout.blocks import module_path
+from zerolite.runtime.micro_batches import MicroBatched
 from zerolite.runtime.parts import Parts
 from zerolite.runtime.schedule import Schedule
 
@@ -48,6 +52,9 @@ class Executor:
             self._hooks.append(module.register_forward_pre_hook(self._enter(name)))
             self._hooks.append(module.register_forward_hook(self._leave(name)))
         self._hooks += self.routing.attach(self.model, manifest, self.slots)
+        if parts.policy.micro_batches > 1:  # every decoder layer, resident ones too: each takes its share's cache
+            self._hooks.append(MicroBatched([self.model.get_submodule(module_path(manifest.layers_path, name))
+                                             for name in manifest.layer_names], parts.policy.micro_batches))
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._start_step()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end_step()))
 

@@ -40,6 +40,7 @@ class LoadSpec:
     kv_attention: str | None = None
     experts: str | None = None
     cpu_expert_layers: int | None = None
+    micro_batches: int | None = None
     io_backend: str | None = None
     io_queue_depth: int | None = None
     io_chunk_bytes: int | None = None

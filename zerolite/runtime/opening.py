@@ -28,9 +28,10 @@ class Opened:
 
 def open_on_rank(folder: Path, dtype: str | None, policy: Policy, world: World, drafting: bool) -> Opened:
     """The layout in folder on this rank's device, refused before anything loads where its model's
-    cache cannot do what K/V offload or a draft (drafting) asks of it."""
+    cache cannot do what K/V offload, micro-batches or a draft (drafting) asks of it."""
     layout = open_layout(folder, dtype)
-    kv_option = "kv_offload" if policy.kv_offload > 0 else "kv_bits" if policy.kv_bits < 16 else None
+    kv_option = ("kv_offload" if policy.kv_offload > 0 else "kv_bits" if policy.kv_bits < 16
+                 else "micro_batches" if policy.micro_batches > 1 else None)
     if kv_option or drafting:
         refuse_what_its_cache_cannot_do(AutoConfig.from_pretrained(layout.side_folder), kv_option, drafting)
     device = rank_device(policy, world)

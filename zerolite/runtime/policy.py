@@ -44,6 +44,9 @@ class Policy:
                                        # unless a plan chose (generate's: zerolite.planner.experts_side)
     cpu_expert_layers: int | None = None  # with experts cpu: of the layers read per expert, how many the host
                                           # computes the experts of, spread among the rest (None: all)
+    micro_batches: int = 1             # device micro-batches one pass over the weights serves: each layer runs
+                                       # every share of the batch's rows before the next layer, so the device
+                                       # holds one share's activations (zerolite.runtime.micro_batches)
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
@@ -66,6 +69,8 @@ class Policy:
         if self.cpu_expert_layers is not None and (self.experts != "cpu" or self.cpu_expert_layers < 0):
             raise ZeroliteError(f"`cpu_expert_layers` counts the layers whose experts the CPU computes: give "
                                 f"0 or more with `experts` cpu, not {self.cpu_expert_layers} with {self.experts}")
+        if self.micro_batches < 1:
+            raise ZeroliteError(f"`micro_batches` must be at least 1, got {self.micro_batches}")
         if self.prefetch_depth < 1:
             raise ZeroliteError(f"`prefetch_depth` must be at least 1, got {self.prefetch_depth}")
         for name, budget in (("gpu_memory", self.gpu_memory), ("cpu_memory", self.cpu_memory)):
