@@ -108,6 +108,10 @@ CASES = [
          id="generate-kv-offload-negative"),
     case("generate hi --model {layout} --device cpu --kv-bits 3", "--kv-bits", "16, 8, 4, not 3",
          id="generate-kv-bits-3"),
+    case("generate hi --model {layout} --device cpu --offload cpu --kv-disk 0.5", "--kv-disk", "offload root",
+         "--path", id="generate-kv-disk-without-a-disk"),
+    case("generate hi --model {layout} --device cpu --kv-offload 0.6 --kv-disk 0.6", "--kv-disk",
+         "at most 1 together", id="generate-kv-disk-with-kv-offload-above-1"),
     # generate: files in and out
     case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist",
          id="generate-input-missing"),

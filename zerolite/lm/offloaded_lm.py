@@ -86,8 +86,9 @@ class OffloadedLM:
     def new_cache(self, tokens: int = 0):
         """The cache generate would make: with kv_offload, that share of the layers' K/V in host memory,
         its buffers made for tokens (where the job's length is known) from the pool all caches share;
-        with kv_bits, the K/V quantized."""
-        return self.parts.caches.new(self.model.config, self.policy.kv_offload, tokens, self.policy.kv_bits)
+        with kv_disk, that share in files on disk; with kv_bits, the K/V quantized."""
+        return self.parts.caches.new(self.model.config, self.policy.kv_offload, tokens, self.policy.kv_bits,
+                                     self.policy.kv_disk)
 
     def recover(self) -> None:
         """After a forward that raised half-way: what was running unbound and its slots freed, so
@@ -109,7 +110,8 @@ class OffloadedLM:
             kwargs["custom_generate"] = functools.partial(speculative_decoding, speculator=self.speculator,
                                                           streamer=kwargs.get("streamer"))
         args, kwargs = on_device(args, kwargs, self.torch_device)
-        own_cache = (self.policy.kv_offload > 0 or self.policy.kv_bits < 16) and given_cache(kwargs) is None
+        own_cache = ((self.policy.kv_offload > 0 or self.policy.kv_disk > 0 or self.policy.kv_bits < 16)
+                     and given_cache(kwargs) is None)
         config = streaming_config(self.model, kwargs, own_cache)
         cache = self.new_cache(job_length(input_ids, kwargs, config)) if own_cache else None
         if cache is not None:

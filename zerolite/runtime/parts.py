@@ -32,6 +32,7 @@ from zerolite.quant.linear import dequantize_resident, keeps_dense
 from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
 from zerolite.runtime.kv_cache import OffloadedCaches
+from zerolite.runtime.kv_disk import KVDisk
 from zerolite.runtime.plan import Plan, spread
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.resident import load_resident
@@ -127,7 +128,14 @@ def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, worl
                   expert_cache, device_bytes=max((bound[name].length for name in plan.streamed), default=0),
                   host_experts=host_experts)
     return Parts(layout, policy, plan, device, world, timeline, model, engine, disk, bindings, routing, expert_cache,
-                 slots, OffloadedCaches(device), loaded_bytes, load_read_gbps, experts_note)
+                 slots, OffloadedCaches(device, kv_disk(layout, policy, engine, device)), loaded_bytes, load_read_gbps,
+                 experts_note)
+
+
+def kv_disk(layout: Layout, policy: Policy, engine: IoEngine, device: Device) -> KVDisk | None:
+    """Where the K/V kept on disk goes (kv_disk): beside the layout, under the offload root it was
+    converted into, read through the weights' engine."""
+    return KVDisk(layout.folder.resolve().parent, engine, device) if policy.kv_disk > 0 else None
 
 
 def host_expert_layers(per_expert: frozenset[str], layers, policy: Policy, separate_memory: bool) -> frozenset[str]:
