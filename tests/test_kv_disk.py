@@ -54,6 +54,7 @@ def check_generation(source, layout, bits: int, device, **tiers) -> None:
         disk = lm.parts.caches.disk
         assert_same(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True))
         assert disk.bytes_read > 0 and disk.bytes_written > 0
+        disk.wait_for_writes()
         assert disk.folder.parent == layout.parent and not list(disk.folder.iterdir())  # the job's files removed
         cache = lm.new_cache()
         greedy(lm, ROWS, 3, cache=cache)  # kept by the caller: its files stay until it goes
@@ -114,6 +115,7 @@ def test_a_layer_on_disk_takes_the_running_batch_s_changes(tmp_path):
     step(2)
     assert disk.bytes_read > 0
     on_disk.return_host_buffers()
+    disk.wait_for_writes()
     assert not list(disk.folder.iterdir())
     disk.close()
     assert not disk.folder.exists()

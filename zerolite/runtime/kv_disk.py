@@ -33,6 +33,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +45,8 @@ from zerolite.io.device import Device
 from zerolite.io.engine import ALIGNMENT, IoEngine, align_up, aligned_empty
 
 WRITE_BYTES = 1 << 20  # the most one write covers: its staging buffer is the writer's only one
+QUEUED_BYTES = 64 << 20  # the most new K/V waiting for the writer: a long prefill's, layer after layer, would
+                         # otherwise pile up in memory faster than the disk takes it
 FOLDER_PREFIX = "zerolite-kv-"
 
 
@@ -158,6 +161,7 @@ class KVDisk:
         self._writer: ThreadPoolExecutor | None = None
         self._scratch: torch.Tensor | None = None
         self._failure: BaseException | None = None
+        self._queued: deque[tuple[Future, int]] = deque()  # writes not yet seen done, and their bytes
 
     def new_file(self) -> KVFile:
         if self.folder is None:
@@ -173,8 +177,14 @@ class KVDisk:
 
     def append(self, file: KVFile, data: torch.Tensor, ready=None, outbox: torch.Tensor | None = None) -> Future:
         """Queues data's write at file's end, after the event ready (data's copy to the host); outbox,
-        where data lies in one, goes back to its pool once written."""
-        return self._writer.submit(self._append, file, data, ready, outbox)
+        where data lies in one, goes back to its pool once written. Waits first for the oldest writes
+        while more than QUEUED_BYTES would be queued."""
+        while self._queued and (self._queued[0][0].done()
+                                or sum(nbytes for _, nbytes in self._queued) + data.nbytes > QUEUED_BYTES):
+            self._queued.popleft()[0].result()
+        written = self._writer.submit(self._append, file, data, ready, outbox)
+        self._queued.append((written, data.nbytes))
+        return written
 
     def _append(self, file: KVFile, data: torch.Tensor, ready, outbox) -> None:
         try:
@@ -190,6 +200,19 @@ class KVDisk:
 
     def truncate(self, file: KVFile) -> Future:
         return self._writer.submit(file.truncate)
+
+    def discard(self, file: KVFile) -> None:
+        """Removes file after the writes queued before (unlinking a file of many pages takes
+        milliseconds: the writer's, not the caller's). From any thread: a cache is collected wherever."""
+        try:
+            self._writer.submit(file.remove)
+        except RuntimeError:  # the writer is shut down: nothing is queued any more
+            file.remove()
+
+    def wait_for_writes(self) -> None:
+        """Waits for every write and removal queued so far (and raises the first that failed)."""
+        self._writer.submit(lambda: None).result()
+        self.check()
 
     def check(self) -> None:
         """Raises the first write that failed (it failed on the writer thread)."""
@@ -224,7 +247,7 @@ class DiskLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.file = self.disk.new_file()
-        weakref.finalize(self, self.file.remove)  # a cache its caller kept, once dropped
+        weakref.finalize(self, self.disk.discard, self.file)  # a cache its caller kept, once dropped
         self._take_shapes(key_states, value_states)
         self.is_initialized = True
 
@@ -378,6 +401,6 @@ class DiskLayer(DynamicLayer):
         """Empties the layer and removes its file."""
         self.wait_for_copies()
         if self.file is not None:
-            self.file.remove()
+            self.disk.discard(self.file)
         self.file, self.length, self._held, self._written = None, 0, None, None
         super().reset()
