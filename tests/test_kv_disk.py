@@ -6,6 +6,7 @@ removed at the end, the running batch's changes to a layer on disk, and the bad 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,32 +14,33 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import zerolite
 from support.helpers import greedy
-from support.simulated_device import SimulatedDevice
 from support.tiny_models import tiny_config
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import resolve
 from zerolite.io.engine import IoEngine
+from zerolite.runtime import batching
 from zerolite.runtime.kv_cache import PartialOffloadCache, QuantizedDiskLayer
 from zerolite.runtime.kv_disk import FOLDER_PREFIX, DiskLayer, KVDisk
+from zerolite.runtime.policy import Policy
 
 ROWS = [[5, 17, 33, 9, 44, 61, 70], [12, 90]]  # one batch: the short prompt left-padded
 NEW_TOKENS = 5
 
 
-def reference(source, bits: int = 16):
+def reference(source, bits: int, device: str):
     """transformers' greedy generation in RAM (with zerolite's quantized cache where bits < 16)."""
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()  # aligned, as zerolite's slots are (test_executor)
-    more = {"cache": PartialOffloadCache(model.config, 0.0, resolve("cpu"), bits=bits)} if bits < 16 else {}
-    return greedy(model, ROWS, NEW_TOKENS, logits=True, **more)
+    more = {"cache": PartialOffloadCache(model.config, 0.0, resolve(device), bits=bits)} if bits < 16 else {}
+    return greedy(model, ROWS, NEW_TOKENS, logits=True, device=device, **more)
 
 
 def assert_same(expected, got) -> None:
-    assert torch.equal(expected.sequences, got.sequences.cpu())
+    assert torch.equal(expected.sequences.cpu(), got.sequences.cpu())
     for e, g in zip(expected.logits, got.logits, strict=True):
-        assert torch.allclose(e, g.cpu(), rtol=0, atol=1e-5), (e - g.cpu()).abs().max()
+        assert torch.allclose(e.cpu(), g.cpu(), rtol=0, atol=1e-5), (e.cpu() - g.cpu()).abs().max()
 
 
 def kv_folders(layout) -> list:
@@ -48,16 +50,17 @@ def kv_folders(layout) -> list:
 def check_generation(source, layout, bits: int, device, **tiers) -> None:
     """Equal to transformers; the K/V files read (every step's prefix), written in whole pages,
     and gone: each job's at its end, the folder when the model closes."""
-    expected = reference(source, bits)
+    runs_on = device if isinstance(device, str) else "cpu"  # the simulated device computes on the CPU
+    expected = reference(source, bits, runs_on)
     with zerolite.load(layout, device=device, offload="nvme", cpu_memory=0, kv_bits=bits, show_progress=False,
                        **tiers) as lm:
         disk = lm.parts.caches.disk
-        assert_same(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True))
+        assert_same(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True, device=runs_on))
         assert disk.bytes_read > 0 and disk.bytes_written > 0
         disk.wait_for_writes()
         assert disk.folder.parent == layout.parent and not list(disk.folder.iterdir())  # the job's files removed
         cache = lm.new_cache()
-        greedy(lm, ROWS, 3, cache=cache)  # kept by the caller: its files stay until it goes
+        greedy(lm, ROWS, 3, cache=cache, device=runs_on)  # kept by the caller: its files stay until it goes
         on_disk = [cache.layers[i] for i in cache.on_disk]
         assert on_disk and all(type(layer) is (DiskLayer if bits == 16 else QuantizedDiskLayer) for layer in on_disk)
         if tiers.get("kv_offload"):
@@ -77,14 +80,13 @@ def test_cpu_generation_with_kv_on_disk_equals_transformers(bits, tiers, make_so
     check_generation(make_source("llama", layers=4), make_layout("llama", layers=4), bits, "cpu", **tiers)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("bits", [16, 8])
-def test_kv_on_disk_on_the_simulated_device_equals_transformers(bits, make_source, make_layout):
+def test_kv_on_disk_on_a_device_of_its_own_equals_transformers(bits, gpu, make_source, make_layout):
     """Each layer's K/V read into a pinned buffer, copied to the device on compute's stream, and
-    its new tokens copied out before they are written: every ordering checked."""
-    sim = SimulatedDevice(seed=5)
-    with sim.watching():
-        check_generation(make_source("llama", layers=4), make_layout("llama", layers=4), bits, sim, gpu_memory=0,
-                         kv_offload=0.25, kv_disk=0.5)
+    its new tokens copied out before they are written (on the simulated device, every ordering checked)."""
+    check_generation(make_source("llama", layers=4), make_layout("llama", layers=4), bits, gpu, gpu_memory=0,
+                     kv_offload=0.25, kv_disk=0.5)
 
 
 def test_a_layer_on_disk_takes_the_running_batch_s_changes(tmp_path):
@@ -119,6 +121,19 @@ def test_a_layer_on_disk_takes_the_running_batch_s_changes(tmp_path):
     assert not list(disk.folder.iterdir())
     disk.close()
     assert not disk.folder.exists()
+
+
+def test_batch_size_auto_counts_only_two_layers_of_the_k_v_on_disk(monkeypatch):
+    """A shape whose K/V dominates, in 10 GB of host memory: with every layer's K/V on disk the
+    batch is many times the one that holds it all in memory."""
+    config = tiny_config("llama", layers=64, num_attention_heads=1, num_key_value_heads=1, head_dim=128)
+    monkeypatch.setattr(batching, "host_room", lambda: 10 * 10**9)
+    batches = {}
+    for kv_disk in (0.0, 1.0):
+        lm = SimpleNamespace(model=SimpleNamespace(config=config, dtype=torch.bfloat16), device=resolve("cpu"),
+                             policy=Policy(device="cpu", kv_disk=kv_disk))
+        batches[kv_disk] = batching.largest_batch(lm, [4] * 4096, 4000)
+    assert batches[1.0] >= 8 * batches[0.0], batches
 
 
 def test_bad_kv_disk_settings_are_one_clear_error(make_layout):
