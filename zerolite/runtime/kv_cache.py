@@ -358,6 +358,12 @@ def disk_layers(layers: list, host_fraction: float, fraction: float) -> list[int
     return spread(rest, math.ceil(fraction * len(eligible) - 1e-9))
 
 
+def disk_share(config: PretrainedConfig, host_fraction: float, fraction: float) -> float:
+    """The share of all layers whose K/V a PartialOffloadCache of these fractions keeps on disk."""
+    layers = DynamicCache(config=config).layers
+    return len(disk_layers(layers, host_fraction, fraction)) / len(layers) if layers else 0.0
+
+
 def offloaded_share(config: PretrainedConfig, fraction: float) -> float:
     """The share of all layers whose K/V a PartialOffloadCache of this fraction keeps on the host."""
     layers = DynamicCache(config=config).layers

@@ -211,7 +211,8 @@ class KVDisk:
 
     def wait_for_writes(self) -> None:
         """Waits for every write and removal queued so far (and raises the first that failed)."""
-        self._writer.submit(lambda: None).result()
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
         self.check()
 
     def check(self) -> None:
