@@ -1,7 +1,8 @@
 """K/V on disk (--kv-disk): generation equal token for token to transformers' generate (16 bits, and
 4 bits against the same quantized cache in RAM; on the CPU and the simulated device, with host and
 disk tiers together), the K/V really read from its files, the files written in whole pages and
-removed at the end, the running batch's changes to a layer on disk, and the bad settings refused."""
+removed at the end, the running batch's changes to a layer on disk, --batch-size auto, the bad
+settings refused, and tools/bench_kv_disk's read pass."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from support.tiny_models import tiny_config
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import resolve
 from zerolite.io.engine import IoEngine
+from zerolite.layout.folder import Layout
 from zerolite.runtime import batching
 from zerolite.runtime.kv_cache import PartialOffloadCache, QuantizedDiskLayer
 from zerolite.runtime.kv_disk import FOLDER_PREFIX, DiskLayer, KVDisk
@@ -143,3 +145,14 @@ def test_bad_kv_disk_settings_are_one_clear_error(make_layout):
         zerolite.load(layout, device="cpu", offload="cpu", kv_disk=0.5, show_progress=False)
     with pytest.raises(ZeroliteError, match="`kv_disk` .* at most 1 together, not 0.6 with 0.5"):
         zerolite.load(layout, device="cpu", kv_offload=0.5, kv_disk=0.6, show_progress=False)
+
+
+def test_the_benchmark_s_read_pass_reads_each_layer_s_weights_and_k_v(make_layout, tmp_path):
+    """tools/bench_kv_disk's bound: its stand-in K/V files are whole pages of the asked size, and a
+    pass reads them with every layer's block."""
+    from bench_kv_disk import weights_and_kv_pass, write_kv_files
+
+    layout = Layout.open(make_layout("llama", layers=4))
+    paths = write_kv_files(tmp_path / "kv", 4, 10_000)
+    assert [os.path.getsize(path) for path in paths] == [12_288] * 4
+    assert weights_and_kv_pass(layout, paths, 5_000) > 0
