@@ -171,7 +171,9 @@ class KVDisk:
             except OSError as e:
                 raise ZeroliteError(f"cannot make a folder for the K/V files under {self.root}: {e.strerror}") from e
             weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="zerolite-kv-writer")
+            # adopted: it waits for copies' events, which on a GPU other than the first are that GPU's
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="zerolite-kv-writer",
+                                              initializer=self.device.adopt_thread)
             self._scratch = aligned_empty(WRITE_BYTES + ALIGNMENT)
         return KVFile(self.folder / f"layer-{next(self._names)}.kv")
 
