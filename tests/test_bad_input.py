@@ -112,6 +112,10 @@ CASES = [
          id="generate-kv-attention-gpu"),
     case("generate hi --model {layout} --device cpu --micro-batches 0", "--micro-batches",
          "greater than or equal to 1", id="generate-micro-batches-0"),
+    case("generate hi --model {layout} --device cpu --offload cpu --kv-disk 0.5", "--kv-disk", "offload root",
+         "--path", id="generate-kv-disk-without-a-disk"),
+    case("generate hi --model {layout} --device cpu --kv-offload 0.6 --kv-disk 0.6", "--kv-disk",
+         "at most 1 together", id="generate-kv-disk-with-kv-offload-above-1"),
     # generate: files in and out
     case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist",
          id="generate-input-missing"),

@@ -85,12 +85,14 @@ def test_each_prompt_gets_its_tokens_alone_and_a_finished_prompts_place_is_taken
     assert len(handed) > 1  # handed on as they were ready, not once at the end
 
 
-def test_prompts_prefilled_apart_merge_into_a_kv_cache_partly_in_host_memory(make_layout, source):
-    """--kv-offload: half the layers' K/V in host buffers, which a merge must widen and join too."""
+@pytest.mark.parametrize("tiers", [dict(kv_offload=0.5), dict(kv_offload=0.25, kv_disk=0.5)])
+def test_prompts_prefilled_apart_merge_into_a_kv_cache_partly_in_host_memory(tiers, make_layout, source):
+    """--kv-offload: half the layers' K/V in host buffers, which a merge must widen and join too;
+    --kv-disk: layers whose K/V is in files, read whole, changed and written anew."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     lines = prompts()[:4]
     got = []
-    with zerolite.load(make_layout("llama"), device="cpu", kv_offload=0.5, show_progress=False) as lm:
+    with zerolite.load(make_layout("llama"), device="cpu", show_progress=False, **tiers) as lm:
         generate_all(lm, lines, Sampling(), 2, got.extend, show_progress=False, batching="continuous")
     assert [c.token_ids for c in got] == [new_tokens_alone(model, list(p.input_ids), p.max_new_tokens) for p in lines]
 

@@ -48,6 +48,10 @@ CpuMemory = Annotated[str | None, typer.Option(
 KvOffload = Annotated[float, typer.Option(
     "--kv-offload", help="Share of the layers (0 to 1) whose K/V cache lives in host memory, so the batch can grow "
     "past device memory.")]
+KvDisk = Annotated[float, typer.Option(
+    "--kv-disk", help="Share of the layers (0 to 1, with --kv-offload's at most 1) whose K/V cache lives in files "
+    "under the offload root (--offload nvme, or --path), read one layer ahead, so the batch can grow past host "
+    "memory too.")]
 KvBits = Annotated[int, typer.Option(
     "--kv-bits", help="Bits of the K/V cache, in every tier: 16 (the model's dtype), or 8 / 4, each token's keys and "
     "values quantized in groups with their scales as they are added, so about 2x / 3.5x the sequences fit.")]
@@ -95,6 +99,7 @@ LOAD_OPTIONS = {
     "gpu_memory": (GpuMemory, None),
     "cpu_memory": (CpuMemory, None),
     "kv_offload": (KvOffload, 0.0),
+    "kv_disk": (KvDisk, 0.0),
     "kv_bits": (KvBits, 16),
     "kv_attention": (KvAttention, "auto"),
     "experts": (Experts, "auto"),

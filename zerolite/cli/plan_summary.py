@@ -10,7 +10,7 @@ from __future__ import annotations
 from zerolite.memory_model import kv_bytes_per_token
 from zerolite.progress import stderr
 from zerolite.runtime.host_attention import HostAttendingCaches
-from zerolite.runtime.kv_cache import offloaded_share
+from zerolite.runtime.kv_cache import disk_share, offloaded_share
 
 
 def show_plan(lm, batch_size: int, tokens: int, chosen: bool = False) -> None:
@@ -62,6 +62,9 @@ def summarize(lm, batch_size: int | None = None, tokens: int | None = None) -> l
     on_host = round(offloaded_share(config, fraction) * layers) if fraction else 0
     bits = lm.policy.kv_bits
     kv = f"K/V cache: {on_host} of {layers} layers in host memory" + (f", at {bits} bits" if bits < 16 else "")
+    if lm.policy.kv_disk:
+        on_disk = round(disk_share(config, fraction, lm.policy.kv_disk) * layers)
+        kv += f"; {on_disk} on disk, a file each under {lm.parts.caches.disk.root}, read one layer ahead"
     if fraction and not on_host:
         kv += " (--kv-offload moves full-attention layers only, and this model has none)"
     if on_host and isinstance(lm.parts.caches, HostAttendingCaches):

@@ -87,9 +87,11 @@ class OffloadedLM:
     def new_cache(self, tokens: int = 0):
         """The cache generate would make: with kv_offload, that share of the layers' K/V in host memory,
         its buffers made for tokens (where the job's length is known) from the pool all caches share;
-        with kv_bits, the K/V quantized; with micro_batches, one such cache per micro-batch."""
+        with kv_disk, that share in files on disk; with kv_bits, the K/V quantized; with micro_batches,
+        one such cache per micro-batch."""
         def one():
-            return self.parts.caches.new(self.model.config, self.policy.kv_offload, tokens, self.policy.kv_bits)
+            return self.parts.caches.new(self.model.config, self.policy.kv_offload, tokens, self.policy.kv_bits,
+                                         self.policy.kv_disk)
 
         if self.policy.micro_batches > 1:
             return MicroBatchCache([one() for _ in range(self.policy.micro_batches)])
@@ -118,7 +120,8 @@ class OffloadedLM:
         args, kwargs = on_device(args, kwargs, self.torch_device)
         # micro-batches need a cache per micro-batch; a draft's speculative decoding runs one sequence
         micro = self.policy.micro_batches > 1 and self.draft is None
-        own_cache = (self.policy.kv_offload > 0 or self.policy.kv_bits < 16 or micro) and given_cache(kwargs) is None
+        own_cache = ((self.policy.kv_offload > 0 or self.policy.kv_disk > 0 or self.policy.kv_bits < 16 or micro)
+                     and given_cache(kwargs) is None)
         config = streaming_config(self.model, kwargs, own_cache)
         cache = self.new_cache(job_length(input_ids, kwargs, config)) if own_cache else None
         if cache is not None:

@@ -28,7 +28,7 @@ from zerolite.memory_model import (
     prefill_carried_bytes,
 )
 from zerolite.runtime.host_memory import host_room
-from zerolite.runtime.kv_cache import host_layers
+from zerolite.runtime.kv_cache import disk_layers, host_layers
 
 MARGIN = 0.10         # of the free memory, kept for the allocator's fragmentation and everything unforeseen
 MAX_BATCH = 4096
@@ -60,7 +60,10 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     length = longest + max_new_tokens
     bits = lm.policy.kv_bits
     kv_offload = host_kv_share(config, lm.policy.kv_offload, dtype) if lm.policy.kv_offload else 0.0
+    kv_disk = disk_kv_share(config, lm.policy.kv_offload, lm.policy.kv_disk, dtype) if lm.policy.kv_disk else 0.0
     kv = kv_bytes_per_token(config, dtype, bits) * length                # per sequence
+    # K/V on disk is in host memory a layer at a time, twice over: the layer read ahead, and the one attended
+    disk_staging = 2 * max(kv_bytes_per_token_by_layer(config, dtype, bits), default=0) * length if kv_disk else 0
     # the prefill's, or the widest moment of a decode step reading quantized K/V (both on the device)
     activations = max(prefill_activation_bytes(ModelShape.of(config), longest, dtype),
                       kv_decode_bytes_per_token(config, dtype, bits) * length)
@@ -69,13 +72,15 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     if lm.device.separate_memory:
         device_free = lm.device.memory()[0] * (1 - MARGIN)
         # K/V that grows a token each step takes more than its bytes where the allocator's segments cannot grow
-        per_sequence_device = lm.device.growing_cost(int(kv * (1 - kv_offload))) + activations
+        # on the device: its own layers' K/V, and the layer on disk being attended
+        on_device = int(kv * (1 - kv_offload - kv_disk) + disk_staging / 2)
+        per_sequence_device = lm.device.growing_cost(on_device) + activations
         # host K/V buffers grow by doubling and are pinned: up to twice the bytes, as pinning rounds them
-        host_kv = int(2 * kv * kv_offload)
+        host_kv = int(2 * kv * kv_offload) + disk_staging
         per_sequence_host = lm.device.pinned_cost(host_kv) if host_kv else 0
     else:
         device_free = host_free
-        per_sequence_device, per_sequence_host = kv + activations, 0.0
+        per_sequence_device, per_sequence_host = int(kv * (1 - kv_disk)) + disk_staging + activations, 0.0
     fits = fitting_rows(device_free, per_sequence_device, activations, lm.policy.micro_batches,
                         prefill_carried_bytes(ModelShape.of(config), longest, dtype))
     if per_sequence_host:
@@ -110,3 +115,11 @@ def host_kv_share(config, fraction: float, dtype) -> float:
     text = config.get_text_config(decoder=True)
     offloaded = host_layers(DynamicCache(config=text).layers, fraction)
     return sum(per_layer[i] for i in offloaded) / sum(per_layer) if sum(per_layer) else 0.0
+
+
+def disk_kv_share(config, host_fraction: float, fraction: float, dtype) -> float:
+    """The share of the K/V cache's bytes that a PartialOffloadCache keeps on disk (host_kv_share's, for kv_disk)."""
+    per_layer = kv_bytes_per_token_by_layer(config, dtype)
+    text = config.get_text_config(decoder=True)
+    on_disk = disk_layers(DynamicCache(config=text).layers, host_fraction, fraction)
+    return sum(per_layer[i] for i in on_disk) / sum(per_layer) if sum(per_layer) else 0.0

@@ -120,6 +120,7 @@ class Executor:
         """Waits for reads in flight and orders compute after copies in flight (prefetches for a
         forward that never came), then unhooks."""
         self.slots.close()
+        self.parts.caches.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -36,6 +36,7 @@ from zerolite.hf import build_meta_model, cache_keyword
 from zerolite.io.device import Device
 from zerolite.quant.kv_codec import KVCodec
 from zerolite.runtime.kv_cache import HostLayer, OffloadedCaches, PartialOffloadCache
+from zerolite.runtime.kv_disk import KVDisk
 
 PREFIX = "zerolite_host_"
 BASES = ("sdpa", "eager")  # implementations that run on a CPU: flash and flex kernels do not
@@ -159,8 +160,8 @@ class HostAttendedCache(PartialOffloadCache):
     the others, and every layer's quantization, are as PartialOffloadCache makes them."""
 
     def __init__(self, config: PretrainedConfig, fraction: float, device: Device, streams, pool, tokens: int,
-                 bits: int, staging: HostStaging):
-        super().__init__(config, fraction, device, streams, pool, tokens, bits)
+                 bits: int, staging: HostStaging, disk: KVDisk | None = None, disk_fraction: float = 0.0):
+        super().__init__(config, fraction, device, streams, pool, tokens, bits, disk, disk_fraction)
         codec = KVCodec(bits) if bits < 16 else None
         for i, layer in enumerate(self.layers):
             if isinstance(layer, HostLayer):
@@ -171,18 +172,20 @@ class HostAttendedCache(PartialOffloadCache):
 class HostAttendingCaches(OffloadedCaches):
     """OffloadedCaches whose caches attend their host layers on the host, sharing one HostStaging."""
 
-    def __init__(self, device: Device):
-        super().__init__(device)
+    def __init__(self, device: Device, disk: KVDisk | None = None):
+        super().__init__(device, disk)
         self.staging = HostStaging(device)
 
-    def new(self, config: PretrainedConfig, fraction: float, tokens: int = 0, bits: int = 16) -> DynamicCache:
+    def new(self, config: PretrainedConfig, fraction: float, tokens: int = 0, bits: int = 16,
+            disk_fraction: float = 0.0) -> DynamicCache:
         if fraction > 0:
             return HostAttendedCache(config, fraction, self.device, self.streams, self.pool, tokens, bits,
-                                     self.staging)
-        return super().new(config, fraction, tokens, bits)
+                                     self.staging, self.disk, disk_fraction)
+        return super().new(config, fraction, tokens, bits, disk_fraction)
 
 
-def host_attending_caches(model: nn.Module, device: Device, say: bool = True) -> HostAttendingCaches | None:
+def host_attending_caches(model: nn.Module, device: Device, say: bool = True,
+                          disk: KVDisk | None = None) -> HostAttendingCaches | None:
     """Caches whose host layers are attended on the host, model's attention made to send them there;
     None where its family's attention can't be (said in one line on stderr where say)."""
     config = model.config
@@ -193,7 +196,7 @@ def host_attending_caches(model: nn.Module, device: Device, say: bool = True) ->
                   f"{reason}", file=sys.stderr)
         return None
     config._attn_implementation = registered(config._attn_implementation)
-    return HostAttendingCaches(device)
+    return HostAttendingCaches(device, disk)
 
 
 def registered(base: str) -> str:

@@ -16,6 +16,9 @@ code sees exactly the tensors a DynamicCache would give it: the outputs are the 
 With bits 8 or 4 (--kv-bits) every attention layer's K/V, on the device or in host memory, is kept
 as zerolite.quant.kv_codec packs it: each new token quantized as it is appended, the layer's
 whole K/V dequantised when its attention reads it. The host copies then move the packed bytes.
+
+A further share of the layers (--kv-disk) keeps its K/V in files under the offload root
+(zerolite.runtime.kv_disk), read one layer ahead as the host layers are fetched.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from zerolite.io.device import Device
 from zerolite.quant.kv_codec import KVCodec
+from zerolite.runtime.kv_disk import DiskLayer, KVDisk
 from zerolite.runtime.plan import spread
 
 MIN_TOKENS = 256  # the first host buffer's length: appends then rarely reallocate
@@ -64,18 +68,26 @@ class OffloadedCaches:
     appends), since devices hand out streams from a small pool (None where memory is shared), and
     one pool of pinned host buffers."""
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, disk: KVDisk | None = None):
         self.device = device
         self.streams = (device.new_stream(), device.new_stream()) if device.separate_memory else None
         self.pool = HostBufferPool(device)
+        self.disk = disk  # where the layers kept on disk have their files (--kv-disk), None if none are
 
-    def new(self, config: PretrainedConfig, fraction: float, tokens: int = 0, bits: int = 16) -> DynamicCache:
+    def new(self, config: PretrainedConfig, fraction: float, tokens: int = 0, bits: int = 16,
+            disk_fraction: float = 0.0) -> DynamicCache:
         """A cache for one job: with fraction > 0, that share of the layers' K/V in host memory,
-        its buffers made for tokens (where the job's length is known), and with bits < 16 the K/V
-        quantized; else transformers' own."""
-        if fraction > 0 or bits < 16:
-            return PartialOffloadCache(config, fraction, self.device, self.streams, self.pool, tokens, bits)
+        its buffers made for tokens (where the job's length is known), with disk_fraction > 0 that
+        share on disk, and with bits < 16 the K/V quantized; else transformers' own."""
+        if fraction > 0 or bits < 16 or disk_fraction > 0:
+            return PartialOffloadCache(config, fraction, self.device, self.streams, self.pool, tokens, bits,
+                                       self.disk, disk_fraction)
         return DynamicCache(config=config.get_text_config(decoder=True))
+
+    def close(self) -> None:
+        """Removes the K/V files' folder, with whatever files a cache still kept there."""
+        if self.disk is not None:
+            self.disk.close()
 
 
 class HostLayer(DynamicLayer):
@@ -262,25 +274,35 @@ class QuantizedHostLayer(QuantizedStates, HostLayer):
     """A full-attention layer's K/V, quantized, in host memory: a step fetches and appends packed bytes."""
 
 
+class QuantizedDiskLayer(QuantizedStates, DiskLayer):
+    """A full-attention layer's K/V, quantized, on disk: a step reads and appends packed bytes."""
+
+
 class PartialOffloadCache(DynamicCache):
     """A DynamicCache with a fraction of its full-attention layers in host memory, spread evenly,
     and with bits < 16 the K/V of every attention layer quantized (state-space, recurrent and
     linear-attention layers keep their states as they are)."""
 
     def __init__(self, config: PretrainedConfig, fraction: float, device: Device, streams=None,
-                 pool: HostBufferPool | None = None, tokens: int = 0, bits: int = 16):
+                 pool: HostBufferPool | None = None, tokens: int = 0, bits: int = 16, disk: KVDisk | None = None,
+                 disk_fraction: float = 0.0):
         """streams: (fetches, appends), the streams the K/V copies go on (new ones if not given); an
         executor keeps one pair for all its caches, since devices hand out streams from a small pool,
         and one pool of host buffers. tokens: the length the job will reach, where it is known, so the
-        host buffers are made once at that size instead of growing. bits: 16, 8 or 4."""
+        host buffers are made once at that size instead of growing. bits: 16, 8 or 4. disk: where
+        the disk_fraction share of the layers keeps its K/V files."""
         super().__init__(config=config)
         if device.separate_memory and streams is None:
             streams = (device.new_stream(), device.new_stream())
         pool = pool or HostBufferPool(device)
         codec = KVCodec(bits) if bits < 16 else None
         on_host = set(host_layers(self.layers, fraction))
+        on_disk = set(disk_layers(self.layers, fraction, disk_fraction))
         for i, layer in enumerate(self.layers):
-            if i in on_host:
+            if i in on_disk:
+                self.layers[i] = (DiskLayer(disk, tokens) if codec is None
+                                  else QuantizedDiskLayer(disk, tokens, codec=codec))
+            elif i in on_host:
                 self.layers[i] = (HostLayer(device, streams, pool, tokens) if codec is None
                                   else QuantizedHostLayer(device, streams, pool, tokens, codec=codec))
             elif codec is not None and type(layer) is DynamicLayer:
@@ -292,24 +314,29 @@ class PartialOffloadCache(DynamicCache):
         """Waits for the appends and fetches still in flight: before the host buffers are freed
         (unpinned and unmapped), nothing may still copy into or out of them."""
         for layer in self.layers:
-            if isinstance(layer, HostLayer):
+            if isinstance(layer, (HostLayer, DiskLayer)):
                 layer.wait_for_copies()
 
     def return_host_buffers(self) -> None:
-        """The job is done with the cache: its host buffers go back to the pool, for the next one."""
+        """The job is done with the cache: its host buffers go back to the pool, for the next one,
+        and its K/V files are removed."""
         for layer in self.layers:
-            if isinstance(layer, HostLayer):
+            if isinstance(layer, (HostLayer, DiskLayer)):
                 layer.reset()
 
     @property
     def offloaded(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if isinstance(layer, HostLayer)]
 
+    @property
+    def on_disk(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, DiskLayer)]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # One layer ahead, its copy running while this layer's attention does. Not past the last
         # layer: a fetch for a step that may never come would outlive generate.
         following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
-        if isinstance(following, HostLayer):
+        if isinstance(following, (HostLayer, DiskLayer)):
             following.prefetch(key_states.shape[-2])  # the same new tokens reach it
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -320,6 +347,21 @@ def host_layers(layers: list, fraction: float) -> list[int]:
     linear-attention layers keep their small caches on the device)."""
     eligible = [i for i, layer in enumerate(layers) if type(layer) is DynamicLayer]
     return spread(eligible, math.ceil(fraction * len(eligible) - 1e-9))
+
+
+def disk_layers(layers: list, host_fraction: float, fraction: float) -> list[int]:
+    """Which layers' K/V live on disk: that share of the full-attention ones, spread evenly among
+    those host_layers leaves on the device."""
+    eligible = [i for i, layer in enumerate(layers) if type(layer) is DynamicLayer]
+    on_host = set(host_layers(layers, host_fraction))
+    rest = [i for i in eligible if i not in on_host]
+    return spread(rest, math.ceil(fraction * len(eligible) - 1e-9))
+
+
+def disk_share(config: PretrainedConfig, host_fraction: float, fraction: float) -> float:
+    """The share of all layers whose K/V a PartialOffloadCache of these fractions keeps on disk."""
+    layers = DynamicCache(config=config).layers
+    return len(disk_layers(layers, host_fraction, fraction)) / len(layers) if layers else 0.0
 
 
 def offloaded_share(config: PretrainedConfig, fraction: float) -> float:

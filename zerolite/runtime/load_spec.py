@@ -15,6 +15,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from zerolite.errors import ZeroliteError
 from zerolite.runtime.policy import Policy, parse_size
 
 
@@ -36,6 +37,7 @@ class LoadSpec:
     gpu_memory: int | str | None = None        # bytes, or a size such as "20GB"
     cpu_memory: int | str | None = None
     kv_offload: float | None = None
+    kv_disk: float | None = None               # needs a disk for its files: offload nvme, or a path
     kv_bits: int | None = None
     kv_attention: str | None = None
     experts: str | None = None
@@ -49,6 +51,9 @@ class LoadSpec:
         for budget in ("gpu_memory", "cpu_memory"):
             if isinstance(getattr(self, budget), str):
                 object.__setattr__(self, budget, parse_size(getattr(self, budget), f"`{budget}`"))
+        if self.kv_disk and self.offload != "nvme" and self.path is None:
+            raise ZeroliteError(f"`kv_disk` keeps K/V files under the offload root, and with `offload` {self.offload} "
+                                "there is none: give a `path` (such as /nvme) or use `offload` nvme")
 
     def policy(self) -> Policy:
         """The Policy this spec asks for (its checks raise here)."""

@@ -33,6 +33,7 @@ from zerolite.quant.linear import install as install_quantized_linears
 from zerolite.runtime.binding import BlockBinding
 from zerolite.runtime.host_attention import host_attending_caches
 from zerolite.runtime.kv_cache import OffloadedCaches
+from zerolite.runtime.kv_disk import KVDisk
 from zerolite.runtime.plan import Plan, spread
 from zerolite.runtime.policy import Policy
 from zerolite.runtime.resident import load_resident
@@ -128,9 +129,17 @@ def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, worl
                   expert_cache, device_bytes=max((bound[name].length for name in plan.streamed), default=0),
                   host_experts=host_experts)
     attended_on_host = policy.kv_attention == "cpu" and policy.kv_offload > 0
-    caches = (attended_on_host and host_attending_caches(model, device, world.leads)) or OffloadedCaches(device)
+    disk_kv = kv_disk(layout, policy, engine, device)
+    caches = (attended_on_host and host_attending_caches(model, device, world.leads, disk_kv)) or OffloadedCaches(
+        device, disk_kv)
     return Parts(layout, policy, plan, device, world, timeline, model, engine, disk, bindings, routing, expert_cache,
                  slots, caches, loaded_bytes, load_read_gbps, experts_note)
+
+
+def kv_disk(layout: Layout, policy: Policy, engine: IoEngine, device: Device) -> KVDisk | None:
+    """Where the K/V kept on disk goes (kv_disk): beside the layout, under the offload root it was
+    converted into, read through the weights' engine."""
+    return KVDisk(layout.folder.resolve().parent, engine, device) if policy.kv_disk > 0 else None
 
 
 def host_expert_layers(per_expert: frozenset[str], layers, policy: Policy, separate_memory: bool) -> frozenset[str]:

@@ -31,6 +31,8 @@ class Policy:
     gpu_memory: int | None = None      # bytes of blocks kept resident on the GPU; None: what is free, less headroom
     cpu_memory: int | None = None      # bytes of layers kept in host memory (--offload nvme); None: likewise
     kv_offload: float = 0.0            # fraction of the layers whose K/V cache lives in host memory
+    kv_disk: float = 0.0               # fraction of the layers whose K/V cache lives in files under the offload
+                                       # root (zerolite.runtime.kv_disk), besides those in host memory
     kv_bits: int = 16                  # the K/V cache's bits: 16 (the model's dtype), or 8 / 4 (group-wise
                                        # integers with their scales, zerolite.quant.kv_codec), in every tier
     kv_attention: str = "auto"         # where attention over K/V in host memory runs: "device" copies the K/V
@@ -79,6 +81,10 @@ class Policy:
         if not 0.0 <= self.kv_offload <= 1.0:
             raise ZeroliteError(f"`kv_offload` is the fraction of layers whose K/V cache lives in host memory: "
                                 f"give a number from 0 to 1, not {self.kv_offload}")
+        if not 0.0 <= self.kv_disk <= 1.0 or self.kv_offload + self.kv_disk > 1.0 + 1e-9:
+            raise ZeroliteError(f"`kv_disk` is the fraction of layers whose K/V cache lives on disk, besides "
+                                f"`kv_offload`'s in host memory: give a number from 0 to 1 that leaves the two at "
+                                f"most 1 together, not {self.kv_disk} with {self.kv_offload}")
         if self.kv_bits not in KV_BITS:
             raise ZeroliteError(f"`kv_bits` keeps the K/V cache at 16 bits (the model's dtype), 8 or 4: "
                                 f"choose one of {', '.join(map(str, KV_BITS))}, not {self.kv_bits}")
