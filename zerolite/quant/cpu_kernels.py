@@ -32,8 +32,8 @@ from zerolite.errors import ZeroliteError
 from zerolite.quant.int4_packing import Int4Packing
 
 PATH_VARIABLE = "ZEROLITE_CPU_KERNEL"
-# int4 and int8 there: x rounded to int8 per 32 columns, as llama.cpp does (avx512bf16 includes avx512vnni)
-ROUNDS_ACTIVATIONS = ("avx512vnni", "avx512bf16")
+# int4 and int8 there: x rounded to int8 per 32 columns, as llama.cpp does (each includes avx512vnni)
+ROUNDS_ACTIVATIONS = ("avx512vnni", "avx512bf16", "amx")
 
 
 def supported_paths() -> list[str]:
