@@ -15,8 +15,10 @@ namespace zerolite {
 // quantizes the rows of x to int8 in blocks of 32 columns, as llama.cpp does, and multiplies
 // integers: four times the weights a cycle, at the cost of the activations' rounding.
 // avx512bf16 adds the bf16 kernel's dot products of bf16 pairs (int4 and int8 take avx512vnni
-// there). The others compute in fp32 exactly as the weights dequantise.
-enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3, avx512bf16 = 4 };
+// there). amx adds AMX's int8 tiles to int4 (rounded as avx512vnni rounds; int8 and bf16 take
+// avx512bf16 there): listed only where the CPU has amx_int8 and Linux granted this process the
+// tile state. The others compute in fp32 exactly as the weights dequantise.
+enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3, avx512bf16 = 4, amx = 5 };
 
 // The paths this CPU can run, best last (scalar always).
 std::vector<std::string> supported_cpu_paths();
@@ -87,6 +89,8 @@ void bf16_matmul(const Bf16Weight& weight, const Bf16Rows& rows, CpuPath path, i
 #define ZEROLITE_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma")))
 #define ZEROLITE_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,avx2,fma")))
+#define ZEROLITE_AMX \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,amx-tile,amx-int8")))
 
 namespace zerolite {
 

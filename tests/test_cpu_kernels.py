@@ -22,14 +22,19 @@ INT4_SHAPES = [(64, 64, 32), (80, 100, 32), (48, 70, 64), (112, 33, 32), (192, 5
 INT8_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (192, 576), (130, 1537)]
 BF16_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (130, 1537)]  # out off the runs of 4, in off 8, 16 and 32
 ROW_COUNTS = [1, 3, 4, 6, 9]
+# amx's int4 tiles take 8 rows and more (csrc/int4_matmul.cpp's AMX_MIN_ROWS): 16 rows to a tile,
+# the last one partial, and the sums of 64 rows kept at once
+AMX_ROW_COUNTS = [8, 15, 16, 17, 40, 64, 65]
 RELATIVE = 2e-6  # fp32 sums in another order: a few ulps of the largest output
 ROUNDED_RELATIVE = 1e-2  # x rounded to int8 per 32 columns: about 0.5% measured
 
 
 # avx512bf16 adds bf16's dot products only: int4 and int8 run there as at avx512vnni (as the last
-# test here checks), so their many shapes are not run at both.
+# test here checks), so their many shapes are not run at both; amx adds int4's matmul only.
 SAME_AS_BELOW = "avx512bf16"
-QUANTIZED_PATHS = [p for p in PATHS if p != SAME_AS_BELOW]
+INT4_ONLY = "amx"
+QUANTIZED_PATHS = [p for p in PATHS if p not in (SAME_AS_BELOW, INT4_ONLY)]
+INT4_PATHS = [p for p in PATHS if p != SAME_AS_BELOW]
 
 
 @pytest.fixture(params=PATHS)
@@ -40,6 +45,12 @@ def path(request, monkeypatch):
 
 @pytest.fixture(params=QUANTIZED_PATHS)
 def quantized_path(request, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, request.param)
+    return request.param
+
+
+@pytest.fixture(params=INT4_PATHS)
+def int4_path(request, monkeypatch):
     monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, request.param)
     return request.param
 
@@ -57,17 +68,17 @@ def assert_rounded_close(got: torch.Tensor, exact: torch.Tensor) -> None:
 @pytest.mark.parametrize("packing", CANDIDATES, ids=lambda p: f"{p.block_rows}-{p.interleave}")
 @pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_int4_computes_what_its_weights_dequantise_to(quantized_path, packing, shape, scale_dtype):
-    """avx512vnni rounds x to int8 per 32 columns: held to a relative error, not to fp32's."""
+def test_int4_computes_what_its_weights_dequantise_to(int4_path, packing, shape, scale_dtype):
+    """avx512vnni and amx round x to int8 per 32 columns: held to a relative error, not to fp32's."""
     out, inp, group = shape
     generator = torch.Generator().manual_seed(out * inp)
     q, scale_zero = quantize_int4(torch.randn(out, inp, generator=generator).to(scale_dtype), group)
     packed = pack_int4(q, packing)
     weight = dequantize_int4(packed, scale_zero.float(), group, packing, torch.float32)[:, :inp]
-    for rows in ROW_COUNTS:
+    for rows in ROW_COUNTS + (AMX_ROW_COUNTS if int4_path == INT4_ONLY else []):
         x = torch.randn(rows, inp, generator=generator)
         got, exact = cpu_kernels.int4_matmul(x, packed, scale_zero, out, group, packing), x @ weight.t()
-        if quantized_path in cpu_kernels.ROUNDS_ACTIVATIONS:
+        if int4_path in cpu_kernels.ROUNDS_ACTIVATIONS:
             assert_rounded_close(got, exact)
             # bf16 rows, as the path takes them by default: read and written as bf16 (by the 64-row
             # "halves" blocks' tile) or through fp32 copies (any other block)
@@ -190,16 +201,16 @@ def test_shapes_that_do_not_match_the_weight_are_refused():
         cpu_kernels.int8_matmul(torch.randn(8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
 
 
-def test_int4_and_int8_run_at_avx512bf16_as_at_avx512vnni(monkeypatch):
+def test_int4_and_int8_run_at_avx512bf16_and_amx_as_at_avx512vnni(monkeypatch):
     """The paths are levels: a kernel with nothing of its own at a level runs the best below it
-    (on a CPU with neither level, nothing to compare)."""
+    (on a CPU with neither level, nothing to compare); amx's int4 tiles, from 8 rows on, not for 5."""
     q4, scale_zero = quantize_int4(torch.randn(80, 100), 32)
     packing = CANDIDATES[0]
     packed = pack_int4(q4, packing)
     q8, scale = quantize_int8(torch.randn(33, 100))
     x = torch.randn(5, 100).bfloat16()
     outputs = []
-    for level in [p for p in ("avx512vnni", SAME_AS_BELOW) if p in PATHS]:
+    for level in [p for p in ("avx512vnni", SAME_AS_BELOW, INT4_ONLY) if p in PATHS]:
         monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, level)
         outputs.append([cpu_kernels.int4_matmul(x, packed, scale_zero, 80, 32, packing),
                         cpu_kernels.int4_dequantize_transposed(torch.empty(100, 80), packed, scale_zero, 32, packing),

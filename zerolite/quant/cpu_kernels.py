@@ -8,14 +8,17 @@ rows (bf16 ones where the path rounds them to int8 anyway, and for bf16 weights)
     dequantize_int4_transposed(out, packed, scale_zero, group_size, packing)      # out: [in, out] bf16 or fp32
 
 Each kernel has a path per instruction set (AVX-512, AVX2 with FMA, plain C++), chosen at run time
-from what the CPU offers, or forced with ZEROLITE_CPU_KERNEL=avx512bf16|avx512vnni|avx512|avx2|scalar
+from what the CPU offers, or forced with ZEROLITE_CPU_KERNEL=amx|avx512bf16|avx512vnni|avx512|avx2|scalar
 (tests run every path the CPU has; each path includes those below it). Those below avx512vnni
 compute in fp32 exactly what the weights dequantise to. Where the CPU has AVX-512 VNNI and VBMI,
 int4 and int8 rows that are not fp32 (bf16, fp16: already rounded) take avx512vnni, which rounds
 them to int8 per 32 columns, as llama.cpp's Q4_0 and Q8_0 do, and multiplies bytes: several times
 faster, at about 0.5% of relative error in a product (docs/benchmarks-cpu-kernels.md gives its
 perplexity); fp32 rows keep the exact path. bf16 weights (bf16_matmul, bf16 rows) take AVX-512
-BF16's dot products where the CPU has them (avx512bf16), fp32 sums either way. They run on
+BF16's dot products where the CPU has them (avx512bf16), fp32 sums either way. Where the CPU has
+AMX (amx_int8) and Linux grants the process its tile state, int4 multiplies the same integers as
+avx512vnni in AMX's tiles from 8 rows of x on (amx: the same rounding, 1.1 to 1.5x faster at 16
+to 64 rows; int8 and bf16 run there as at avx512bf16). They run on
 torch's thread count, on a pool of the extension's own whose idle threads sleep, and release the
 GIL. Tensors go in as addresses: the checks here are all they get.
 """
@@ -32,8 +35,8 @@ from zerolite.errors import ZeroliteError
 from zerolite.quant.int4_packing import Int4Packing
 
 PATH_VARIABLE = "ZEROLITE_CPU_KERNEL"
-# int4 and int8 there: x rounded to int8 per 32 columns, as llama.cpp does (avx512bf16 includes avx512vnni)
-ROUNDS_ACTIVATIONS = ("avx512vnni", "avx512bf16")
+# int4 and int8 there: x rounded to int8 per 32 columns, as llama.cpp does (each includes avx512vnni)
+ROUNDS_ACTIVATIONS = ("avx512vnni", "avx512bf16", "amx")
 
 
 def supported_paths() -> list[str]:
@@ -93,7 +96,7 @@ def _scales(scale_zero: torch.Tensor) -> torch.Tensor:
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int,
                 group_size: int, packing: Int4Packing) -> torch.Tensor:
     """x [rows, in] @ the int4 weight's transpose: in bf16 where x is bf16 and the path rounds it to
-    int8 first (avx512vnni, avx512bf16: the default for bf16 rows where the CPU runs them), in fp32
+    int8 first (avx512vnni and above: the default for bf16 rows where the CPU runs them), in fp32
     otherwise. packed: uint8 [out, stored in / 2] in
     packing's order; scale_zero: [groups, out, 2], weight = (q - 8) * scale + zero. x may be
     narrower than the stored width (a partial last group): the padding is skipped."""
