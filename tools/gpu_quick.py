@@ -175,6 +175,8 @@ class Parent:
         self.tests_log = self.out / "gpu_quick_tests.log"
 
     def run(self) -> int:
+        if self.dry:
+            ForkedStep.import_once()
         self.out.mkdir(parents=True, exist_ok=True)
         (self.scratch / "results").mkdir(parents=True, exist_ok=True)
         for path in (self.log, self.tests_log):
@@ -229,7 +231,12 @@ class Parent:
             command = [sys.executable, str(Path(__file__).resolve()), "--child", step.name, "--scratch",
                        str(self.scratch), "--out", str(self.out),
                        "--deadline", str(time.time() + timeout - 3)] + (["--dry-run"] if self.dry else [])
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "PYTHONUNBUFFERED": "1",
+        environ = os.environ
+        if tests and self.dry:  # this process imported zerolite for its forks: a fresh pytest picks OpenMP's waits
+            from zerolite.openmp import environment_as_the_user_had_it
+
+            environ = environment_as_the_user_had_it()
+        env = {**{k: v for k, v in environ.items() if not k.startswith("PYTEST_")}, "PYTHONUNBUFFERED": "1",
                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
                "ZEROLITE_CACHE": str(self.scratch / "cache")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -244,8 +251,11 @@ class Parent:
             offset = sink.tell()
             started = time.perf_counter()
             try:
-                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, start_new_session=True)
+                if self.dry and not tests:
+                    process = ForkedStep(command, env, sink)
+                else:
+                    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, start_new_session=True)
                 returncode = self.wait(process, step, results, started + timeout)
             except OSError as e:
                 sink.write(f"could not start: {e}\n")
@@ -319,6 +329,61 @@ class Parent:
                     f"the markdown failed ({type(e).__name__}: {e}): see gpu_quick.json\n\n"
                     f"## Machine\n")
         write_atomically(self.out / "gpu_quick.md", text)
+
+
+class ForkedStep:
+    """A dry run's step: the process that `command` would start, forked from this one with torch,
+    transformers and zerolite imported once (their import was most of each dry step's time). Its own
+    session, output and environment, as Popen's; it parses `command` itself. A GPU run starts fresh
+    interpreters: a fork must not inherit CUDA."""
+
+    def __init__(self, command: list[str], env: dict[str, str], sink):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.args, self.returncode = command, None
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                os.setsid()
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                os.dup2(sink.fileno(), 1)
+                os.dup2(sink.fileno(), 2)
+                for stream in (sys.stdout, sys.stderr):
+                    stream.reconfigure(write_through=True)  # as PYTHONUNBUFFERED=1 has a fresh interpreter's
+                os.environ.clear()
+                os.environ.update(env)
+                os.chdir(ROOT)
+                sys.argv = command[1:]
+                code = main()
+            except SystemExit as exit:
+                code = exit.code if isinstance(exit.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+
+    @staticmethod
+    def import_once() -> None:
+        import importlib
+
+        for name in ("zerolite", "torch", "transformers"):  # zerolite first: it sets OpenMP's waiting policy
+            importlib.import_module(name)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """As Popen.wait: the exit status (minus the signal's number if one ended it), or TimeoutExpired."""
+        until = None if timeout is None else time.perf_counter() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif until is not None and time.perf_counter() >= until:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            else:
+                time.sleep(0.02)
+        return self.returncode
 
 
 LOG_LIMIT = 15 * MiB  # what the GPU machine gives back is at most 16 MiB a file
