@@ -255,6 +255,7 @@ void block_avx2(const Int4Weight& w, const Block& b, const Rows& r) {
 // 32 rows gather each row's four nibbles into one 32-bit lane, which vpdpbusd multiplies by the
 // four columns of x and adds in one step. Other blocks take the fp32 tile.
 constexpr int64_t SCALES_AHEAD = 4;  // groups
+constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes of a block's columns
 
 template <int M>
 ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const XBlocks& xq, int64_t m0,
@@ -309,6 +310,9 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const XB
 #pragma GCC unroll 8
       for (int k = 0; k < X_BLOCK; k += 4) {
         const uint8_t* columns = b.base + (x0 + k) * 32;
+        // a page ahead: the block's columns run on through pages, where the prefetchers stop
+        _mm_prefetch(reinterpret_cast<const char*>(columns + PREFETCH_AHEAD), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(columns + PREFETCH_AHEAD + 64), _MM_HINT_T0);
         __m512i a = _mm512_loadu_si512(columns), c = _mm512_loadu_si512(columns + 64);
         __m512i a_low = _mm512_and_si512(a, low_nibble), c_low = _mm512_and_si512(c, low_nibble);
         __m512i a_high = _mm512_and_si512(_mm512_srli_epi16(a, 4), low_nibble);
