@@ -36,7 +36,7 @@ void rows_scalar(const Bf16Weight& w, const Bf16Rows& r, int64_t first, int64_t 
 // A tile of N weight rows by M rows of x; STEP columns a step, the last one masked. dpbf16 takes
 // 32 columns (pairs of bf16 into each fp32 lane), the fp32 paths 16 (AVX-512) or 8 (AVX2).
 template <int N, int M>
-ZEROLITE_AVX512BF16 void tile_bf16(const Bf16Weight& w, const Bf16Rows& r, int64_t m0, int64_t n0) {
+ZEROLITE_AVX512BF16 void tile_bf16(const Bf16Weight& w, const Bf16Rows& r, int64_t m0, int64_t n0, bool ahead) {
   __m512 acc[M][N];
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
@@ -53,6 +53,7 @@ ZEROLITE_AVX512BF16 void tile_bf16(const Bf16Weight& w, const Bf16Rows& r, int64
       __m512bh row = (__m512bh)_mm512_maskz_loadu_epi16(mask, w.w + (n0 + n) * in + k);
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], row, xs[m]);
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w.w + (n0 + N + n) * in + k), _MM_HINT_T0);
     }
   }
 #pragma GCC unroll 16
@@ -136,28 +137,29 @@ ZEROLITE_AVX2 void tile_avx2(const Bf16Weight& w, const Bf16Rows& r, int64_t m0,
   }
 }
 
-// The rows of x in tiles of up to 4, for N weight rows at n0.
+// The rows of x in tiles of up to 4, for N weight rows at n0; ahead: the N rows after them are
+// the task's too (the first tile fetches them into the cache as it goes).
 template <int N, template <int, int> class Tile>
-void rows_of_x(const Bf16Weight& w, const Bf16Rows& r, int64_t n0) {
+void rows_of_x(const Bf16Weight& w, const Bf16Rows& r, int64_t n0, bool ahead) {
   int64_t m = 0;
-  for (; m + 4 <= r.count; m += 4) Tile<N, 4>::run(w, r, m, n0);
+  for (; m + 4 <= r.count; m += 4, ahead = false) Tile<N, 4>::run(w, r, m, n0, ahead);
   switch (r.count - m) {
-    case 3: Tile<N, 3>::run(w, r, m, n0); break;
-    case 2: Tile<N, 2>::run(w, r, m, n0); break;
-    case 1: Tile<N, 1>::run(w, r, m, n0); break;
+    case 3: Tile<N, 3>::run(w, r, m, n0, ahead); break;
+    case 2: Tile<N, 2>::run(w, r, m, n0, ahead); break;
+    case 1: Tile<N, 1>::run(w, r, m, n0, ahead); break;
     default: break;
   }
 }
 
-template <int N, int M> struct Bf16Tile { static void run(const Bf16Weight& w, const Bf16Rows& r, int64_t m, int64_t n) { tile_bf16<N, M>(w, r, m, n); } };
-template <int N, int M> struct Avx512Tile { static void run(const Bf16Weight& w, const Bf16Rows& r, int64_t m, int64_t n) { tile_avx512<N, M>(w, r, m, n); } };
-template <int N, int M> struct Avx2Tile { static void run(const Bf16Weight& w, const Bf16Rows& r, int64_t m, int64_t n) { tile_avx2<N, M>(w, r, m, n); } };
+template <int N, int M> struct Bf16Tile { static void run(const Bf16Weight& w, const Bf16Rows& r, int64_t m, int64_t n, bool ahead) { tile_bf16<N, M>(w, r, m, n, ahead); } };
+template <int N, int M> struct Avx512Tile { static void run(const Bf16Weight& w, const Bf16Rows& r, int64_t m, int64_t n, bool) { tile_avx512<N, M>(w, r, m, n); } };
+template <int N, int M> struct Avx2Tile { static void run(const Bf16Weight& w, const Bf16Rows& r, int64_t m, int64_t n, bool) { tile_avx2<N, M>(w, r, m, n); } };
 
 template <template <int, int> class Tile>
 void rows_tiled(const Bf16Weight& w, const Bf16Rows& r, int64_t first, int64_t last) {
   int64_t n = first;
-  for (; n + 4 <= last; n += 4) rows_of_x<4, Tile>(w, r, n);
-  for (; n < last; ++n) rows_of_x<1, Tile>(w, r, n);
+  for (; n + 4 <= last; n += 4) rows_of_x<4, Tile>(w, r, n, n + 8 <= last);
+  for (; n < last; ++n) rows_of_x<1, Tile>(w, r, n, false);
 }
 
 #endif  // ZEROLITE_X86

@@ -5,7 +5,6 @@
 // order the nibbles lie (low nibbles of a run of bytes, then their high nibbles); each lane's
 // output row is mapped when the block is written back.
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -13,6 +12,7 @@
 #include "cpu_matmul.h"
 #include "int4_blocks.h"
 #include "work_pool.h"
+#include "x_blocks.h"
 
 #ifdef ZEROLITE_X86
 #include <immintrin.h>
@@ -250,61 +250,15 @@ void block_avx2(const Int4Weight& w, const Block& b, const Rows& r) {
   }
 }
 
-// avx512vnni: x quantized per 32 columns (QuantizedRows), the weights' nibbles multiplied as
+// avx512vnni: x quantized per 32 columns (XBlocks), the weights' nibbles multiplied as
 // bytes. A 64-row "halves" block keeps four columns in 128 consecutive bytes: two permutes per
 // 32 rows gather each row's four nibbles into one 32-bit lane, which vpdpbusd multiplies by the
 // four columns of x and adds in one step. Other blocks take the fp32 tile.
-struct QuantizedRows {
-  std::vector<int8_t> q;      // [rows (rounded up to row_multiple), padded] x / step, rounded; zero past in_features
-  std::vector<float> step;    // [rows, padded / 32]
-  std::vector<int32_t> q_sums;  // [rows, padded / 32] the sum of each block's q
-  std::vector<float> sums;    // [rows, groups] x's exact sum over each weight group
-  int64_t padded = 0, groups = 0;
-};
-
-constexpr int X_BLOCK = 32;
 constexpr int64_t SCALES_AHEAD = 4;  // groups
-
-QuantizedRows quantize_rows(const Int4Weight& w, const Rows& r, int64_t row_multiple) {
-  QuantizedRows out;
-  out.padded = w.stored_in;
-  out.groups = w.stored_in / w.group_size;
-  out.q.assign((r.count + row_multiple - 1) / row_multiple * row_multiple * out.padded, 0);
-  out.step.assign(r.count * (out.padded / X_BLOCK), 0.0f);
-  out.q_sums.assign(r.count * (out.padded / X_BLOCK), 0);
-  out.sums.assign(r.count * out.groups, 0.0f);
-  std::vector<float> widened(r.x_bf16 ? w.in_features : 0);
-  for (int64_t m = 0; m < r.count; ++m) {
-    const float* x = r.x + m * r.x_stride;
-    if (r.x_bf16) {
-      for (int64_t k = 0; k < w.in_features; ++k) widened[k] = widen_bf16(r.x_bf16[m * r.x_stride + k]);
-      x = widened.data();
-    }
-    for (int64_t k0 = 0; k0 < w.in_features; k0 += X_BLOCK) {
-      int64_t end = std::min<int64_t>(k0 + X_BLOCK, w.in_features);
-      float largest = 0.0f;
-      for (int64_t k = k0; k < end; ++k) largest = std::max(largest, std::fabs(x[k]));
-      float step = largest / 127.0f;
-      out.step[m * (out.padded / X_BLOCK) + k0 / X_BLOCK] = step;
-      float inverse = step > 0.0f ? 1.0f / step : 0.0f;
-      int32_t q_sum = 0;
-      float sum = 0.0f;
-      for (int64_t k = k0; k < end; ++k) {
-        float scaled = x[k] * inverse;  // rounded half away from zero: inline, where nearbyint is a call
-        int32_t q = static_cast<int32_t>(scaled + (scaled >= 0.0f ? 0.5f : -0.5f));
-        out.q[m * out.padded + k] = static_cast<int8_t>(q);
-        q_sum += q;
-        sum += x[k];
-      }
-      out.q_sums[m * (out.padded / X_BLOCK) + k0 / X_BLOCK] = q_sum;
-      out.sums[m * out.groups + k0 / w.group_size] += sum;
-    }
-  }
-  return out;
-}
+constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes of a block's columns
 
 template <int M>
-ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const QuantizedRows& xq, int64_t m0,
+ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const XBlocks& xq, int64_t m0,
                                    const Rows& r) {
   const __m512i low_nibble = _mm512_set1_epi8(15);
   alignas(64) int8_t order[64];
@@ -316,14 +270,14 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const Qu
   }
   const __m512i first = _mm512_load_si512(order);                      // rows j of 16: columns k .. k + 3
   const __m512i second = _mm512_add_epi8(first, _mm512_set1_epi8(16)); // rows 16 + j
-  const int64_t blocks_per_row = xq.padded / X_BLOCK;
+  const int64_t groups = w.stored_in / w.group_size, blocks_per_group = w.group_size / X_BLOCK;
   alignas(64) float sum[M][64] = {};  // the block's outputs, in memory: the registers hold the dot products
-  for (int64_t g = 0; g < xq.groups; ++g) {
+  for (int64_t g = 0; g < groups; ++g) {
     const int64_t k0 = g * w.group_size;
     if (k0 >= w.in_features) break;
     __m512 scale[4], zero[4];
     const int32_t* words = static_cast<const int32_t*>(w.scale_zero) + g * w.out_features + b.row0;
-    if (g + SCALES_AHEAD < xq.groups) {
+    if (g + SCALES_AHEAD < groups) {
       // A group's scales lie a whole row of scales from the last's (another page each time), where
       // the prefetchers do not follow: fetched SCALES_AHEAD groups before they are needed.
       const char* ahead = reinterpret_cast<const char*>(w.scale_zero) +
@@ -356,6 +310,9 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const Qu
 #pragma GCC unroll 8
       for (int k = 0; k < X_BLOCK; k += 4) {
         const uint8_t* columns = b.base + (x0 + k) * 32;
+        // a page ahead: the block's columns run on through pages, where the prefetchers stop
+        _mm_prefetch(reinterpret_cast<const char*>(columns + PREFETCH_AHEAD), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(columns + PREFETCH_AHEAD + 64), _MM_HINT_T0);
         __m512i a = _mm512_loadu_si512(columns), c = _mm512_loadu_si512(columns + 64);
         __m512i a_low = _mm512_and_si512(a, low_nibble), c_low = _mm512_and_si512(c, low_nibble);
         __m512i a_high = _mm512_and_si512(_mm512_srli_epi16(a, 4), low_nibble);
@@ -374,10 +331,10 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const Qu
       }
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
-        const int64_t block = (m0 + m) * blocks_per_row + x0 / X_BLOCK;
+        const int64_t block = (m0 + m) * xq.blocks + x0 / X_BLOCK;
         __m512 step = _mm512_set1_ps(xq.step[block]);
         // (q - 8) . x: centred, so x's rounding is weighed by |q - 8|, not by q
-        __m512i eight_sums = _mm512_set1_epi32(8 * xq.q_sums[block]);
+        __m512i eight_sums = _mm512_set1_epi32(8 * xq.q_sum[block]);
 #pragma GCC unroll 16
         for (int i = 0; i < 4; ++i)
           _mm512_store_ps(sum[m] + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][i], eight_sums)),
@@ -386,7 +343,10 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const Qu
     }
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
-      __m512 total = _mm512_set1_ps(xq.sums[(m0 + m) * xq.groups + g]);
+      const float* block_sums = xq.sum.data() + (m0 + m) * xq.blocks + g * blocks_per_group;
+      float group_sum = 0.0f;  // x's own, unrounded
+      for (int64_t i = 0; i < blocks_per_group; ++i) group_sum += block_sums[i];
+      __m512 total = _mm512_set1_ps(group_sum);
 #pragma GCC unroll 16
       for (int i = 0; i < 4; ++i)
         _mm512_store_ps(sum[m] + 16 * i, _mm512_fmadd_ps(zero[i], total, _mm512_load_ps(sum[m] + 16 * i)));
@@ -404,7 +364,7 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int4Weight& w, const Block& b, const Qu
     }
 }
 
-void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const QuantizedRows& xq) {
+void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const XBlocks& xq) {
   if (!(b.halves && b.rows == 64)) {
     block_avx512(w, b, r);
     return;
@@ -425,7 +385,7 @@ void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const Quanti
 // products are for one block of x (its step) and one group (its scales): they leave the tiles
 // every 32 columns, to fp32 sums in memory, which costs about what the products do: below
 // AMX_MIN_ROWS rows of x, where the tiles would be mostly padding, the vnni tile is faster. x's
-// rows are padded to 16 with zeros (QuantizedRows' row_multiple); only the real ones are summed.
+// rows are padded to 16 with zeros (amx_x_blocks); only the real ones are summed.
 // Other blocks take the fp32 tile.
 constexpr int AMX_ROWS = 16;        // rows of x a tile holds
 constexpr int64_t AMX_MIN_ROWS = 8; // measured: 0.8x the vnni tile's speed at 4 rows, 1.3x at 16, 1.5x at 64
@@ -456,7 +416,7 @@ ZEROLITE_AMX void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-ZEROLITE_AMX void chunk_amx(const Int4Weight& w, const Block& b, const QuantizedRows& xq, int64_t m0, int64_t count,
+ZEROLITE_AMX void chunk_amx(const Int4Weight& w, const Block& b, const XBlocks& xq, int64_t m0, int64_t count,
                             const Rows& r) {
   const __m512i low_nibble = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
   alignas(64) int8_t order[64];
@@ -467,12 +427,12 @@ ZEROLITE_AMX void chunk_amx(const Int4Weight& w, const Block& b, const Quantized
     order[4 * j + 3] = static_cast<int8_t>(96 + j);
   }
   const __m512i first = _mm512_load_si512(order), second = _mm512_add_epi8(first, _mm512_set1_epi8(16));
-  const int64_t blocks_per_row = xq.padded / X_BLOCK;
+  const int64_t blocks_per_row = xq.blocks, blocks_per_group = w.group_size / X_BLOCK;
   const int64_t tiles = (count + AMX_ROWS - 1) / AMX_ROWS;
   alignas(64) float sum[AMX_CHUNK][64] = {};
   alignas(64) int8_t weights[4][X_BLOCK / 4][64];  // 16 outputs each: rows 0-15, 16-31 (low nibbles), 32-47, 48-63
   alignas(64) int32_t dots[4][AMX_ROWS][16];
-  for (int64_t g = 0; g < xq.groups; ++g) {
+  for (int64_t g = 0; g < w.stored_in / w.group_size; ++g) {
     const int64_t k0 = g * w.group_size;
     if (k0 >= w.in_features) break;
     __m512 scale[4], zero[4];
@@ -537,7 +497,9 @@ ZEROLITE_AMX void chunk_amx(const Int4Weight& w, const Block& b, const Quantized
     }
     // the zeros' share: zero times x's exact sum over the group
     for (int64_t m = 0; m < count; ++m) {
-      __m512 total = _mm512_set1_ps(xq.sums[(m0 + m) * xq.groups + g]);
+      float group_sum = 0.0f;
+      for (int64_t j = 0; j < blocks_per_group; ++j) group_sum += xq.sum[(m0 + m) * xq.blocks + g * blocks_per_group + j];
+      __m512 total = _mm512_set1_ps(group_sum);
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i)
         _mm512_store_ps(sum[m] + 16 * i, _mm512_fmadd_ps(zero[i], total, _mm512_load_ps(sum[m] + 16 * i)));
@@ -556,7 +518,7 @@ ZEROLITE_AMX void chunk_amx(const Int4Weight& w, const Block& b, const Quantized
 
 // The tile configuration is each thread's own: set for each block, and released after it (a
 // thread holding tiles has their 8 KB saved at every switch of context).
-ZEROLITE_AMX void block_amx(const Int4Weight& w, const Block& b, const Rows& r, const QuantizedRows& xq) {
+ZEROLITE_AMX void block_amx(const Int4Weight& w, const Block& b, const Rows& r, const XBlocks& xq) {
   if (!(b.halves && b.rows == 64)) {
     block_avx512(w, b, r);
     return;
@@ -585,12 +547,13 @@ void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) 
   }
 #ifdef ZEROLITE_X86
   if (vnni && path >= CpuPath::amx && r.count >= AMX_MIN_ROWS) {
-    const QuantizedRows xq = quantize_rows(w, r, AMX_ROWS);
+    XBlocks xq = x_blocks(r, w.in_features, w.stored_in);
+    xq.q.resize((r.count + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * xq.padded, 0);  // whole tiles: zero rows after the last
     kernel_pool().run(threads, blocks, [&](int64_t index) { block_amx(w, block_at(w, index), r, xq); });
     return;
   }
   if (vnni) {
-    const QuantizedRows xq = quantize_rows(w, r, 1);
+    const XBlocks xq = x_blocks(r, w.in_features, w.stored_in);
     kernel_pool().run(threads, blocks, [&](int64_t index) { block_vnni(w, block_at(w, index), r, xq); });
     return;
   }

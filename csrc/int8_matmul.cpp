@@ -3,13 +3,13 @@
 // every load. avx512vnni instead rounds x to int8 per 32 columns (as llama.cpp's Q8_0 does) and
 // multiplies bytes. The work is split by runs of output rows.
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "bf16_bits.h"
 #include "cpu_matmul.h"
 #include "work_pool.h"
+#include "x_blocks.h"
 
 #ifdef ZEROLITE_X86
 #include <immintrin.h>
@@ -127,46 +127,21 @@ void rows_avx2(const Int8Weight& w, const Rows& r, int64_t first, int64_t last) 
 // and the 128 * sum(q) of a whole row, times each block's step, is taken off once at the end.
 // 64 columns a step (two blocks of x: lanes 0-7 the first's, 8-15 the second's, each lane scaled
 // by its block's step), the last one masked; x's padding to 64 columns is zero.
-constexpr int X_BLOCK = 32, STEP = 64;
+constexpr int STEP = 64;
 
+// x's blocks (XBlocks, padded to whole steps), and for each row 128 * the sum over its blocks of
+// step * sum(q): what the weights' + 128 added to its sums.
 struct QuantizedRows {
-  std::vector<int8_t> q;         // [rows, padded]
-  std::vector<float> step;       // [rows, padded / STEP, 16]: each lane's block's step
-  std::vector<float> offset;     // [rows]: 128 * sum over blocks of step * sum(q)
-  int64_t padded = 0;
+  XBlocks blocks;
+  std::vector<float> offset;  // [rows]
 };
 
 QuantizedRows quantize_rows(const Rows& r, int64_t in) {
-  QuantizedRows out;
-  out.padded = (in + STEP - 1) / STEP * STEP;
-  const int64_t steps = out.padded / STEP;
-  out.q.assign(r.count * out.padded, 0);
-  out.step.assign(r.count * steps * 16, 0.0f);
-  out.offset.assign(r.count, 0.0f);
-  std::vector<float> widened(r.x_bf16 ? in : 0);
+  QuantizedRows out{x_blocks(r, in, (in + STEP - 1) / STEP * STEP), std::vector<float>(r.count)};
+  const XBlocks& xb = out.blocks;
   for (int64_t m = 0; m < r.count; ++m) {
-    const float* x = r.x + m * r.x_stride;
-    if (r.x_bf16) {
-      for (int64_t k = 0; k < in; ++k) widened[k] = widen_bf16(r.x_bf16[m * r.x_stride + k]);
-      x = widened.data();
-    }
     double offset = 0.0;
-    for (int64_t k0 = 0; k0 < in; k0 += X_BLOCK) {
-      const int64_t end = std::min<int64_t>(k0 + X_BLOCK, in);
-      float largest = 0.0f;
-      for (int64_t k = k0; k < end; ++k) largest = std::max(largest, std::fabs(x[k]));
-      const float step = largest / 127.0f, inverse = step > 0.0f ? 1.0f / step : 0.0f;
-      int32_t q_sum = 0;
-      for (int64_t k = k0; k < end; ++k) {
-        float scaled = x[k] * inverse;  // rounded half away from zero
-        int32_t q = static_cast<int32_t>(scaled + (scaled >= 0.0f ? 0.5f : -0.5f));
-        out.q[m * out.padded + k] = static_cast<int8_t>(q);
-        q_sum += q;
-      }
-      float* lanes = out.step.data() + (m * steps + k0 / STEP) * 16 + (k0 % STEP == 0 ? 0 : 8);
-      std::fill(lanes, lanes + 8, step);
-      offset += 128.0 * step * q_sum;
-    }
+    for (int64_t b = 0; b < xb.blocks; ++b) offset += 128.0 * xb.step[m * xb.blocks + b] * xb.q_sum[m * xb.blocks + b];
     out.offset[m] = static_cast<float>(offset);
   }
   return out;
@@ -188,8 +163,11 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int8Weight& w, const QuantizedRows& xq,
     __m512 steps[M];
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
-      xs[m] = _mm512_loadu_si512(xq.q.data() + (m0 + m) * xq.padded + k);
-      steps[m] = _mm512_loadu_ps(xq.step.data() + ((m0 + m) * (xq.padded / STEP) + s) * 16);
+      const XBlocks& xb = xq.blocks;
+      xs[m] = _mm512_loadu_si512(xb.q.data() + (m0 + m) * xb.padded + k);
+      // lanes 0-7 the step's first block's, 8-15 its second's
+      const float* two = xb.step.data() + (m0 + m) * xb.blocks + 2 * s;
+      steps[m] = _mm512_insertf32x8(_mm512_set1_ps(two[0]), _mm256_set1_ps(two[1]), 1);
     }
 #pragma GCC unroll 16
     for (int n = 0; n < N; ++n) {

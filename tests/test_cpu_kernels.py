@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from zerolite.errors import ZeroliteError
 from zerolite.quant import bf16_linear, cpu_kernels
@@ -128,6 +129,70 @@ def test_int8_computes_what_its_weights_dequantise_to(quantized_path, shape):
             assert_rounded_close(got.float(), x.bfloat16().float() @ weight.t())
         else:
             assert_close(cpu_kernels.int8_matmul(x, q, scale), x @ weight.t(), inp)
+
+
+def rounded_rows(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """x rounded as the paths that round activations round it, in the same fp32 operations (so to
+    the same integers): per 32 columns, step = largest |x| / 127, q = x / step rounded half away
+    from zero; returned as q * step in fp64, [rows, padded]."""
+    blocks = F.pad(x.float(), (0, padded - x.shape[1])).view(x.shape[0], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(step > 0, torch.ones_like(step).div(step), torch.zeros_like(step))
+    scaled = blocks * inverse
+    q = torch.trunc(scaled + torch.where(scaled >= 0, 0.5, -0.5))
+    return (q.double() * step.double()).view(x.shape[0], padded)
+
+
+def assert_as_rounded(got: torch.Tensor, expected: torch.Tensor, terms: int) -> None:
+    """fp32 rows out: fp32's sums; bf16 rows out: each within one bf16 rounding of the expected."""
+    if got.dtype == torch.float32:
+        assert_close(got.double(), expected, terms)
+    else:
+        slack = 2 ** -8 * expected.abs() + RELATIVE * terms ** 0.5 * expected.abs().max()
+        assert ((got.double() - expected).abs() <= slack).all(), ((got.double() - expected).abs() - slack).max()
+
+
+# rows of unlike sizes: a block that read past its row's end would take its step from the next row's
+ROW_SIZES = torch.tensor([1.0, 100.0, 0.01, 10.0, 1.0, 1000.0, 0.1, 1.0, 3.0])[:, None]
+ROUNDING_PATHS = [p for p in cpu_kernels.ROUNDS_ACTIVATIONS if p in QUANTIZED_PATHS]
+
+
+@pytest.mark.parametrize("rounding_path", ROUNDING_PATHS)
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_rounds_rows_as_llama_cpp_does(rounding_path, shape, dtype, monkeypatch):
+    """The 64-row "halves" blocks multiply x rounded per 32 columns (its exact sums weigh the
+    zeros): each output as those integers give it, to fp32's sums; other blocks exact."""
+    monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, rounding_path)
+    out, inp, group = shape
+    packing = Int4Packing(64, "halves")
+    generator = torch.Generator().manual_seed(out + inp)
+    q, scale_zero = quantize_int4(torch.randn(out, inp, generator=generator).bfloat16(), group)
+    stored_in = q.shape[1]
+    packed = pack_int4(q, packing)
+    scale, zero = (part.double().t().repeat_interleave(group, 1) for part in scale_zero.unbind(-1))  # [out, stored]
+    for rows in ROW_COUNTS:
+        x = (torch.randn(rows, inp, generator=generator) * ROW_SIZES[:rows]).to(dtype)
+        exact = F.pad(x.double(), (0, stored_in - inp))
+        expected = rounded_rows(x, stored_in) @ ((q.double() - 8) * scale).t() + exact @ zero.t()
+        whole = out // 64 * 64  # rows past the whole blocks: exact
+        expected[:, whole:] = exact @ ((q[whole:].double() - 8) * scale[whole:] + zero[whole:]).t()
+        assert_as_rounded(cpu_kernels.int4_matmul(x, packed, scale_zero, out, group, packing), expected, inp)
+
+
+@pytest.mark.parametrize("rounding_path", ROUNDING_PATHS)
+@pytest.mark.parametrize("shape", INT8_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rounds_rows_as_llama_cpp_does(rounding_path, shape, dtype, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, rounding_path)
+    out, inp = shape
+    generator = torch.Generator().manual_seed(out * inp)
+    q, scale = quantize_int8(torch.randn(out, inp, generator=generator).bfloat16())
+    padded = (inp + 31) // 32 * 32
+    weight = F.pad(q.double(), (0, padded - inp)) * scale.double()[:, None]
+    for rows in ROW_COUNTS:
+        x = (torch.randn(rows, inp, generator=generator) * ROW_SIZES[:rows]).to(dtype)
+        assert_as_rounded(cpu_kernels.int8_matmul(x, q, scale), rounded_rows(x, padded) @ weight.t(), inp)
 
 
 @pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -69,12 +69,20 @@ def _rounding(path: int) -> bool:
     return path in {_path_number(name) for name in ROUNDS_ACTIVATIONS if name in supported_paths()}
 
 
-def _checked(x: torch.Tensor, in_features: int, path: int) -> torch.Tensor:
-    """x as the kernel reads it: bf16 rows as they are where the path rounds them anyway (no
-    conversion either side of the call), fp32 rows otherwise."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features:
+# A decode step makes a hundred of these calls, each a few microseconds of weights at batch 1:
+# the checks below are written to cost about a microsecond (their first form took 8 per call).
+_CPU = torch.device("cpu")
+
+
+def _checked(x: torch.Tensor, in_features: int, exact: bool) -> tuple[torch.Tensor, int]:
+    """x as the kernel reads it, and the path: bf16 rows as they are where the path rounds them
+    anyway (no conversion either side of the call), fp32 rows otherwise."""
+    if x.device != _CPU or x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"rows must be a CPU tensor [rows, {in_features}], not {tuple(x.shape)} on {x.device}")
-    return (x if x.dtype == torch.bfloat16 and _rounding(path) else x.float()).contiguous()
+    path = kernel_path(exact)
+    if x.dtype != torch.bfloat16 or not _rounding(path):
+        x = x.float()
+    return (x if x.is_contiguous() else x.contiguous()), path
 
 
 def _int4_fits(packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, in_features: int,
@@ -83,14 +91,16 @@ def _int4_fits(packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int
     ([out, stored in / 2], contiguous) and scale_zero ([groups, out, 2]) hold; the last group may be partial."""
     groups = scale_zero.shape[0]
     stored_in = groups * group_size
-    return (packed.dtype == torch.uint8 and tuple(packed.shape) == (out_features, stored_in // 2)
-            and packed.is_contiguous() and tuple(scale_zero.shape) == (groups, out_features, 2)
+    return (packed.dtype == torch.uint8 and packed.shape == (out_features, stored_in // 2)
+            and packed.is_contiguous() and scale_zero.shape == (groups, out_features, 2)
             and stored_in - group_size < in_features <= stored_in)
 
 
 def _scales(scale_zero: torch.Tensor) -> torch.Tensor:
     """Scales and zeros as the kernels read them: bf16 as stored, anything else as fp32, contiguous."""
-    return (scale_zero if scale_zero.dtype == torch.bfloat16 else scale_zero.float()).contiguous()
+    if scale_zero.dtype != torch.bfloat16:
+        scale_zero = scale_zero.float()
+    return scale_zero if scale_zero.is_contiguous() else scale_zero.contiguous()
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int,
@@ -105,8 +115,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
     if not _int4_fits(packed, scale_zero, out_features, in_features, group_size):
         raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
                          f"packed {tuple(packed.shape)} and scale_zero {tuple(scale_zero.shape)}")
-    path = kernel_path(exact=x.dtype == torch.float32)
-    x = _checked(x, in_features, path)
+    x, path = _checked(x, in_features, x.dtype == torch.float32)
     scale_zero = _scales(scale_zero)
     y = torch.empty((x.shape[0], out_features), dtype=x.dtype)
     _engine.int4_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, packed.data_ptr(),
@@ -142,8 +151,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     if q.dtype != torch.int8 or not q.is_contiguous() or tuple(scale.shape) != (out_features,):
         raise ValueError(f"an int8 weight must be int8 [out, in] with a scale per row: {tuple(q.shape)} {q.dtype}, "
                          f"scale {tuple(scale.shape)}")
-    path = kernel_path(exact=x.dtype == torch.float32)
-    x = _checked(x, in_features, path)
+    x, path = _checked(x, in_features, x.dtype == torch.float32)
     scale = scale.float().contiguous()
     y = torch.empty((x.shape[0], out_features), dtype=x.dtype)
     _engine.int8_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, q.data_ptr(),

@@ -84,12 +84,16 @@ class QuantizedLinear(nn.Module):
         self.dense: torch.Tensor | None = None  # the weight dequantised once, for a layer resident on a GPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # contiguous: the kernels read rows as they lie (mamba's projections are given a transposed input)
-        rows = x.reshape(-1, self.in_features).contiguous()
+        # A decode step calls this a hundred times at batch 1, each a few microseconds of weights:
+        # written to add little to them (a buffer is read from _buffers, not through nn.Module's
+        # attribute lookup, and nothing is copied or converted that is already as needed).
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():  # the kernels read rows as they lie (mamba's projections are given a transposed input)
+            rows = rows.contiguous()
         y = F.linear(rows, self.dense) if self.dense is not None else self.multiply(rows)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -122,7 +126,8 @@ class Int8Linear(QuantizedLinear):
             return self.widened_multiply(rows)
         if rows.shape[0] >= DEQUANTIZE_ROWS:
             return F.linear(rows, self.dequantized(rows.dtype))
-        return int8_matmul(rows, self.weight, getattr(self, "weight" + SCALE_SUFFIX)).to(rows.dtype)
+        y = int8_matmul(rows, self._buffers["weight"], self._buffers["weight" + SCALE_SUFFIX])
+        return y if y.dtype == rows.dtype else y.to(rows.dtype)
 
     def widened_multiply(self, rows: torch.Tensor) -> torch.Tensor:
         """A GPU's path: the int8 weight widened once into the scratch buffer (its integers are
@@ -161,7 +166,7 @@ class Int4Linear(QuantizedLinear):
         self._fused: tuple[torch.Tensor, torch.Tensor] | None = None  # (the weight bound, the kernel's packing of it)
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
+        scale_zero = self._buffers["weight" + SCALE_ZERO_SUFFIX]
         if self.dequantize:
             if self.kernel is not None and rows.dtype == torch.bfloat16 and rows.shape[0] < FUSED_INT4_ROWS:
                 return self.kernel.mm(self.padded(rows), self.fused_weight(), self.group_size,
@@ -175,8 +180,8 @@ class Int4Linear(QuantizedLinear):
             transposed = self._buffer((self.in_features, self.out_features), rows, dtype)
             int4_dequantize_transposed(transposed, self.weight, scale_zero, self.group_size, self.packing)
             return torch.matmul(rows.to(dtype), transposed).to(rows.dtype)
-        return int4_matmul(rows, self.weight, scale_zero, self.out_features, self.group_size,
-                           self.packing).to(rows.dtype)
+        y = int4_matmul(rows, self._buffers["weight"], scale_zero, self.out_features, self.group_size, self.packing)
+        return y if y.dtype == rows.dtype else y.to(rows.dtype)
 
     def padded(self, rows: torch.Tensor) -> torch.Tensor:
         """rows with zeros against the weight's padding columns: whatever those hold, they add nothing."""
@@ -192,7 +197,8 @@ class Int4Linear(QuantizedLinear):
         return self._fused[1]
 
     def unbound(self) -> None:
-        self._fused = None
+        if self._fused is not None:  # (nn.Module's assignment costs microseconds, at every layer's unbinding)
+            self._fused = None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         scale_zero = getattr(self, "weight" + SCALE_ZERO_SUFFIX)
