@@ -19,7 +19,9 @@ A wrong guess costs a read the step never uses, and a disk-bound step pays for e
 differ by rank: each token's first choice is right far more often than its second. So each rank
 keeps its own running record, and the experts a rank names are read early only once, and while,
 that rank has been right RELIABLE of the time lately; every guess is scored, read or not, so a
-rank earns that trust over the first steps.
+rank earns that trust over the first steps. The experts of the most reliable ranks are asked for
+first: once the router has spoken, what has not started of the reads it did not take is given up
+(zerolite.runtime.slots: drop_experts), and those are likeliest to be the last in line.
 """
 
 from __future__ import annotations
@@ -78,11 +80,14 @@ class ExpertGuess:
 
     def next(self, upcoming: str, ranks: list[list[int]]) -> list[int]:
         """Records ranks (ranks()'s answer, on the host) as the guess for upcoming; returns the
-        experts named by ranks reliable enough to read early."""
+        experts named by ranks reliable enough to read early, those of the most reliable first."""
         named = self._guessed[upcoming] = [set(tokens) for tokens in ranks]
         self._shares += [0.0] * (len(named) - len(self._shares))
-        early = self._early[upcoming] = set().union(*(e for e, share in zip(named, self._shares) if share >= RELIABLE))
-        return sorted(early)
+        trusted = sorted((rank for rank in range(len(named)) if self._shares[rank] >= RELIABLE),
+                         key=lambda rank: -self._shares[rank])
+        early = list(dict.fromkeys(expert for rank in trusted for expert in ranks[rank]))
+        self._early[upcoming] = set(early)
+        return early
 
     def score(self, name: str, routed: list[int]) -> None:
         """Compares the guess made for name (if any) with what its router picked."""
