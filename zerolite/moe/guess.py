@@ -42,8 +42,9 @@ from zerolite.layout.store import DiskStore
 # step, and most of it is under way (the engine keeps 32 MiB in flight) before the router can give
 # it up. So a rank is read early only while right 4 times in 5: for DeepSeek-V3's shape at batch 1
 # its first three of eight (97, 93, 86%; the rest 47-75%), at batch 16, where the router picks most
-# experts, all (90-97%). Against 1 in 2 that read ~20 wrong experts a step (9.4 MB each) for 1,
-# and the step took 6-10% longer on a disk as slow against compute as this machine's quiet one.
+# experts, all (90-97%). 1 in 2 read ~20 wrong experts a step (9.4 MB each) where this reads 1,
+# and its batch-1 steps took 4-8% longer (11-13% before reads could be given up) with the disk
+# throttled to 60 MB/s, as slow against this machine's loaded compute as its disk is against quiet.
 RELIABLE = 0.8
 MEMORY = 1 / 16  # weight of the newest guess in a rank's running record
 
