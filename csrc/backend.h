@@ -20,6 +20,8 @@ class ChunkQueue {
   // Takes up to max_chunks. With wait set, blocks until there is one or the queue is closed;
   // an empty result with wait set means closed and drained.
   std::vector<Chunk> take(std::size_t max_chunks, bool wait);
+  // Takes out the request's chunks that no backend has taken yet: they will never be read.
+  std::vector<Chunk> remove(const ReadRequest& request);
   void close();
 
  private:
@@ -34,6 +36,8 @@ class Backend {
   virtual ~Backend() = default;
   // Thread-safe; the chunks' completions arrive on the backend's own threads.
   virtual void enqueue(std::vector<Chunk> chunks) = 0;
+  // The request's chunks not yet handed to the kernel (or a worker), taken out of the queue.
+  virtual std::vector<Chunk> withdraw(const ReadRequest& request) = 0;
   virtual const char* name() const = 0;
 };
 

@@ -83,6 +83,7 @@ NB_MODULE(_engine, m) {
           "path"_a, "dst"_a, "nbytes"_a, "file_offset"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("wait", &IoEngine::wait, "ticket"_a, "timeout_s"_a,
            nb::call_guard<nb::gil_scoped_release>())
+      .def("cancel", &IoEngine::cancel, "ticket"_a, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("backend", &IoEngine::backend_name)
       .def_prop_ro("queue_depth", [](const IoEngine& e) { return e.options().queue_depth; })
       .def_prop_ro("chunk_bytes", [](const IoEngine& e) { return e.options().chunk_bytes; });

@@ -23,6 +23,18 @@ std::vector<Chunk> ChunkQueue::take(std::size_t max_chunks, bool wait) {
   return taken;
 }
 
+std::vector<Chunk> ChunkQueue::remove(const ReadRequest& request) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Chunk> removed;
+  std::deque<Chunk> kept;
+  for (auto& chunk : chunks_) {
+    if (chunk.request.get() == &request) removed.push_back(std::move(chunk));
+    else kept.push_back(std::move(chunk));
+  }
+  chunks_ = std::move(kept);
+  return removed;
+}
+
 void ChunkQueue::close() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

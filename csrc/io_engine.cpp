@@ -146,7 +146,11 @@ void IoEngine::on_chunk_done(const Chunk& chunk, ChunkOutcome outcome) {
       }
     }
   }
-  if (request.chunks_left.fetch_sub(1) != 1) return;
+  if (request.chunks_left.fetch_sub(1) == 1) finish(request);
+}
+
+// The request's last chunk is done (read, failed or cancelled): whoever counted it down to none.
+void IoEngine::finish(ReadRequest& request) {
   close(request.fd);
   double now = monotonic_seconds();
   {
@@ -155,6 +159,26 @@ void IoEngine::on_chunk_done(const Chunk& chunk, ChunkOutcome outcome) {
     request.done = true;
   }
   done_.notify_all();
+}
+
+std::size_t IoEngine::cancel(std::uint64_t ticket) {
+  std::shared_ptr<ReadRequest> request;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = requests_.find(ticket);
+    if (it == requests_.end()) {
+      throw std::invalid_argument("unknown ticket " + std::to_string(ticket) +
+                                  " (never submitted, or already waited for)");
+    }
+    request = it->second;
+  }
+  std::vector<Chunk> withdrawn = backend_->withdraw(*request);
+  std::size_t spared = 0;
+  for (const Chunk& chunk : withdrawn) spared += chunk.nbytes;
+  if (!withdrawn.empty() && request->chunks_left.fetch_sub(withdrawn.size()) == withdrawn.size()) {
+    finish(*request);
+  }
+  return spared;
 }
 
 std::optional<double> IoEngine::wait(std::uint64_t ticket, double timeout_s) {

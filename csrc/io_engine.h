@@ -53,11 +53,16 @@ class IoEngine {
   // the ticket is spent either way once it is done.
   std::optional<double> wait(std::uint64_t ticket, double timeout_s);
 
+  // Gives up the ticket's reads that have not started: their bytes never land in dst. Returns
+  // how many bytes that spares. The ticket must still be waited for (reads under way finish).
+  std::size_t cancel(std::uint64_t ticket);
+
   const char* backend_name() const;
   const EngineOptions& options() const { return options_; }
 
  private:
   void on_chunk_done(const Chunk& chunk, ChunkOutcome outcome);
+  void finish(ReadRequest& request);
 
   EngineOptions options_;
   std::mutex mutex_;

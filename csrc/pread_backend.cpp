@@ -37,6 +37,7 @@ class PreadBackend final : public Backend {
   }
 
   void enqueue(std::vector<Chunk> chunks) override { queue_.push(std::move(chunks)); }
+  std::vector<Chunk> withdraw(const ReadRequest& request) override { return queue_.remove(request); }
   const char* name() const override { return "pread"; }
 
  private:

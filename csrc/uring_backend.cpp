@@ -153,6 +153,7 @@ class UringBackend final : public Backend {
   }
 
   void enqueue(std::vector<Chunk> chunks) override { queue_.push(std::move(chunks)); }
+  std::vector<Chunk> withdraw(const ReadRequest& request) override { return queue_.remove(request); }
   const char* name() const override { return "io_uring"; }
 
  private:

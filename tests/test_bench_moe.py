@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bench_moe import part_of, routed_parts  # tools/ is on the path: pyproject's pythonpath
+from bench_moe import expert_in_place, part_of, routed_parts  # tools/ is on the path: pyproject's pythonpath
 from models import write_checkpoint
 from zerolite.convert.resolve import in_place
 from zerolite.io.engine import IoEngine, align_up, aligned_empty
@@ -113,3 +113,30 @@ def test_a_part_of_a_block_in_place_reads_its_stretch_of_the_shards(make_source,
     part = part_of(block, "part", start, length, None)
     with_part = Layout(layout.folder, replace(layout.manifest, blocks=(*layout.manifest.blocks, part)))
     assert read(with_part, "part") == read(layout, block.name, start, length)
+
+
+def test_an_expert_in_place_is_read_by_the_read_pass_as_the_runtime_reads_it(tmp_path):
+    """The read pass's part for one expert of a checkpoint in place (the disk's share of the
+    step's bound) is the very reads the runtime makes for it: the same pages of the same shards,
+    those landing straight in its extent and those through scratch; so the bound prices neither
+    more nor less than the step's routed bytes cost."""
+    source = tmp_path / "source"
+    write_checkpoint(source, "deepseek_v3", TINY_DEEPSEEK_V3)
+    layout = Layout.open(in_place(str(source), tmp_path / "in-place", None, False))
+    block, shards = layout.manifest.block("layers.1"), layout.manifest.shards
+    engine = IoEngine()
+    submit, reads = engine.submit, []
+
+    def recorded(path, dst, file_offset=0):
+        reads.append((str(path), file_offset, dst.numel()))
+        return submit(path, dst, file_offset)
+
+    engine.submit = recorded
+    disk = DiskStore(layout, engine)
+    for expert in (0, block.experts.count - 1):
+        reads.clear()
+        start, length = block.experts.extent(expert)
+        disk.wait(disk.submit(block.name, aligned_empty(length), start, length))  # as a slot reads it
+        part = expert_in_place(block, "part", expert)
+        assert sorted(reads) == sorted((shards[p.shard].path, p.offset, p.length) for p in part.pieces)
+        assert part.length == sum(n for _, _, n in reads) >= sum(block.experts.sources.lengths)

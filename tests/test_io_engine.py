@@ -112,6 +112,28 @@ def test_many_reads_in_flight_split_into_many_chunks(random_file, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cancelled_read_spares_what_had_not_started_and_is_still_waited_for(random_file, backend):
+    """A read queued behind a long one, cancelled: none of it started (one read in flight at a
+    time, the long one's 4 KiB chunks ahead), so all of it is spared and its buffer left as it
+    was; the long read lands whole, a cancelled ticket is waited for as any, and a spent one is
+    refused."""
+    path, data = random_file
+    engine = IoEngine(backend, queue_depth=1, chunk_bytes=ALIGNMENT, threads=1)
+    first, second = aligned_empty(len(data) - ALIGNMENT), aligned_empty(64 * ALIGNMENT)
+    second.fill_(7)
+    long_read = engine.submit(path, first, 0)
+    queued = engine.submit(path, second, 0)
+    assert engine.cancel(queued) == second.numel()
+    assert engine.cancel(queued) == 0  # nothing left to give up
+    engine.wait(queued)
+    engine.wait(long_read)
+    assert as_bytes(first) == data[:first.numel()]
+    assert bool((second == 7).all())
+    with pytest.raises(ValueError, match="unknown ticket"):
+        engine.cancel(queued)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_whole_file_in_one_request(random_file, backend):
     path, data = random_file
     engine = IoEngine(backend, queue_depth=4, chunk_bytes=2**20)

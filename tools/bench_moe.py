@@ -128,7 +128,8 @@ class StepMeter(StepClock):
         last_bytes, last_experts = self._last
         step = experts.since(last_experts)
         self.steps.append({"bytes": bytes_read - last_bytes, "expert_bytes": step.expert_bytes,
-                           "early_unused": step.early_unused, "routed": [sorted(layer) for layer in self.routed]})
+                           "early_unused": step.early_unused, "spared_bytes": step.spared_bytes,
+                           "routed": [sorted(layer) for layer in self.routed]})
         for layer in self.routed:
             layer.clear()
         self._last = bytes_read, experts
@@ -164,12 +165,12 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int, cpu_mem
         dense = sum(b.dense_length for b in blocks)
         expert_total = sum(b.length for b in blocks) - dense
 
-        def routed_bytes(step: dict, extra: int = 0) -> int:
+        def routed_bytes(step: dict, extra: int = 0, spared: int = 0) -> int:
             """What a step reads when it reads only the routed experts (and extra experts more, each
-            as large as the first layer's)."""
+            as large as the first layer's, less spared bytes of theirs given up unread)."""
             areas = [b.experts for b in blocks]
             size = next(area.extent(0)[1] for area in areas if area)
-            return dense + extra * size + sum(area.extent(e)[1] for area, layer in zip(areas, step["routed"]) if area
+            return dense + extra * size - spared + sum(area.extent(e)[1] for area, layer in zip(areas, step["routed"]) if area
                                               for e in layer)
 
         area = next((b.experts for b in blocks if b.experts), None)
@@ -183,8 +184,11 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int, cpu_mem
             "expert_bytes_per_step": [s["expert_bytes"] for s in decode],
             # what the routing says a step should read when it reads only the routed experts
             "routed_bytes_per_step": [routed_bytes(s) for s in decode] if area else None,
-            # and with the guessed experts read early that the router then did not pick
-            "routed_and_unused_bytes_per_step": [routed_bytes(s, s["early_unused"]) for s in decode] if area else None,
+            # and with the guessed experts read early that the router then did not pick (what of
+            # their reads had not started when it spoke given up)
+            "routed_and_unused_bytes_per_step": [routed_bytes(s, s["early_unused"], s["spared_bytes"]) for s in decode]
+            if area else None,
+            "spared_bytes_per_step": [s["spared_bytes"] for s in decode],
             "routed_experts_per_step": [sum(map(len, s["routed"])) for s in decode],
             "routed": [s["routed"] for s in decode],  # per decode step, per layer: the experts picked
             "dense_bytes": dense, "expert_bytes": expert_total,

@@ -4,7 +4,7 @@
     buffer = aligned_empty(nbytes)
     ticket = engine.submit("weights.bin", buffer, file_offset=0)
     ...                                   # compute while the read is in flight
-    engine.wait(ticket)
+    engine.wait(ticket)                   # or engine.cancel(ticket) first: bytes not read yet never are
 """
 
 from __future__ import annotations
@@ -150,6 +150,12 @@ class IoEngine:
         if finished is not None:
             del self._destinations[ticket]
         return finished
+
+    def cancel(self, ticket: int) -> int:
+        """Gives up the ticket's reads that have not started (their bytes never land in dst);
+        returns how many bytes that spares. The ticket is still to be waited for: reads under
+        way finish, and dst must live until then."""
+        return self._engine.cancel(ticket)
 
     def read(self, path: str | os.PathLike, dst: torch.Tensor, file_offset: int = 0) -> torch.Tensor:
         """Submit and wait in one call, for when there is nothing to overlap."""

@@ -217,6 +217,19 @@ class DiskStore:
         with self._failures():
             pread_into(path, into[:max(size - offset, 0)], offset)
 
+    def cancel(self, ticket: int) -> int:
+        """Gives up what has not started of the read (its bytes are then never to be used: an
+        expert's parts in scratch are not copied to their places); returns the bytes spared,
+        which no longer count as read. The ticket is still waited for (or polled) as before."""
+        landings = self._pending.get(ticket)
+        tickets = [ticket] if landings is None else [t for landing in landings for t in landing.tickets]
+        with self._failures():
+            spared = sum(self.engine.cancel(t) for t in tickets)
+        for landing in landings or []:
+            landing.copies, landing.padding = [], []
+        self.bytes_read -= spared
+        return spared
+
     def poll(self, ticket: int) -> float | None:
         """When the read finished (the ticket is then spent), or None while it runs; never blocks."""
         if ticket not in self._pending:

@@ -22,6 +22,7 @@ class ExpertCounts:
     guessed: int = 0         # experts the prefetch guessed for the next layer
     guessed_right: int = 0   # of them, routed to
     early_unused: int = 0    # guessed experts brought early that the router then did not pick
+    spared_bytes: int = 0    # of their reads, the bytes given up before they started (not in expert_bytes)
 
     def since(self, before: ExpertCounts) -> ExpertCounts:
         return ExpertCounts(*(now - then for now, then in zip(dataclasses.astuple(self), dataclasses.astuple(before))))

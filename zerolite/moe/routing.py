@@ -65,8 +65,10 @@ class ExpertRouting:
 
         1. the experts to bring: the union over every position (padding included: its outputs
            must be finite too, or attention's zero weights on them would still make NaN)
-        2. ask for them: those not here already (guessed, cached) start reading now
-        3. guess the next layer's from these hidden states; read early those of reliable ranks
+        2. ask for them: those not here already (guessed, cached) start reading now; the reads
+           of guesses the router did not take give up what has not started
+        3. guess the next layer's from these hidden states; read early those of reliable ranks,
+           the most reliable first (the last are the likeliest to be given up in step 2)
         4. wait for this layer's; but where one token picked k experts and some are still
            reading (on a CPU), return the experts module's arguments narrowed to the one here
            first: it computes while the others land, and routed_later() adds theirs, each as it
@@ -84,6 +86,7 @@ class ExpertRouting:
         routed = sorted(set(picked[:chosen.numel()]))
         self.guess.score(name, routed)
         self.slots.want_experts(name, routed)
+        self.slots.drop_experts(name, routed)
         if named is not None:
             guessed, tokens = picked[chosen.numel():], named.shape[1]
             ranks = [guessed[rank * tokens:(rank + 1) * tokens] for rank in range(named.shape[0])]
@@ -134,10 +137,10 @@ class ExpertRouting:
         self._routed.clear()
         self._later.clear()
 
-    def counts(self, expert_bytes_read: int, cache: ExpertCache | None) -> ExpertCounts:
-        """Running totals: expert bytes read, cache hits, guesses."""
+    def counts(self, expert_bytes_read: int, spared_bytes: int, cache: ExpertCache | None) -> ExpertCounts:
+        """Running totals: expert bytes read (and those of guesses given up), cache hits, guesses."""
         return ExpertCounts(expert_bytes_read, cache.hits if cache else 0, cache.hits + cache.misses if cache else 0,
-                            self.guess.made, self.guess.right, self.guess.early_unused)
+                            self.guess.made, self.guess.right, self.guess.early_unused, spared_bytes)
 
     def _before(self, name: str):
         def before(module: nn.Module, args):

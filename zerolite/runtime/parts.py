@@ -71,7 +71,7 @@ class Parts:
 
     def expert_counts(self) -> ExpertCounts:
         """Running totals of streaming per expert: expert bytes read, cache hits, guesses."""
-        return self.routing.counts(self.slots.expert_bytes_read, self.expert_cache)
+        return self.routing.counts(self.slots.expert_bytes_read, self.slots.expert_bytes_spared, self.expert_cache)
 
 
 def build_parts(layout: Layout, policy: Policy, plan: Plan, device: Device, world: World, progress=None,

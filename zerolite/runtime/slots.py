@@ -58,6 +58,7 @@ class ExpertFetch:
     ticket: int | None = None            # its read from disk, not yet waited for
     submitted: float = 0.0
     copied: object | None = None         # the device's event for its host-to-device copy, once queued
+    dropped: bool = False                # a guess the router did not take: its read given up, its bytes never used
 
 
 @dataclass(eq=False)
@@ -106,6 +107,7 @@ class Slots:
         self.host_experts = host_experts if self.separate else frozenset()
         self.expert_bytes_read = 0  # of disk reads, those of experts (the rest: dense parts and whole blocks)
         self.expert_bytes_copied = 0  # of copies to the device, those of experts
+        self.expert_bytes_spared = 0  # of experts' reads, the bytes given up (guesses the router did not take)
         reads = disk is not None
         self.copy_stream = device.new_stream() if self.separate else None
         self.expert_stream = device.new_stream() if self.separate and per_expert - self.host_experts else None
@@ -196,6 +198,8 @@ class Slots:
         slot = self._by_block[name]
         area = self.manifest.block(name).experts
         for expert in experts:
+            if expert in slot.experts and slot.experts[expert].dropped:
+                self._forget_dropped(slot, expert)
             if expert in slot.experts:
                 continue
             fetch = ExpertFetch(*area.extent(expert))
@@ -210,6 +214,24 @@ class Slots:
                     self.expert_bytes_read += fetch.length
             if self.separate and fetch.ticket is None and name not in self.host_experts:
                 fetch.copied = self._copy_expert(slot, fetch)
+
+    def drop_experts(self, name: str, kept) -> None:
+        """The block's router has spoken: the reads of its experts not in kept (guesses it did not
+        take) give up what has not started yet, so that the disk reads what the step needs instead."""
+        slot = self._by_block[name]
+        for expert, fetch in slot.experts.items():
+            if fetch.ticket is not None and not fetch.dropped and expert not in kept:
+                fetch.dropped = True
+                spared = self.disk.cancel(fetch.ticket)
+                self.expert_bytes_read -= spared
+                self.expert_bytes_spared += spared
+
+    def _forget_dropped(self, slot: Slot, expert: int) -> None:
+        """Before an expert dropped is asked for again: what its read had under way is done."""
+        try:
+            self.disk.wait(slot.experts.pop(expert).ticket)
+        except ZeroliteError:
+            pass  # its bytes were never to be used
 
     def wait_experts(self, name: str, experts) -> None:
         """These experts' bytes are ready for compute on the compute stream (want_experts came first)."""
@@ -251,7 +273,7 @@ class Slots:
         for slot in self._slots:
             self._poll(slot)
             for expert, fetch in list(slot.experts.items()):
-                if fetch.ticket is not None:
+                if fetch.ticket is not None and not fetch.dropped:
                     self._land_expert(slot, expert, block=False)
 
     def wait(self, name: str) -> torch.Tensor:
