@@ -39,6 +39,9 @@ class LoadSpec:
     kv_bits: int | None = None
     experts: str | None = None
     cpu_expert_layers: int | None = None
+    kv_disk: float | None = None
+    kv_attention: str | None = None
+    micro_batches: int | None = None
     io_backend: str | None = None
     io_queue_depth: int | None = None
     io_chunk_bytes: int | None = None

@@ -14,6 +14,7 @@ from zerolite.memory_model import KV_BITS
 
 OFFLOAD_CHOICES = ("nvme", "cpu", "none")
 EXPERTS_CHOICES = ("routed", "whole", "device", "cpu", "auto")
+KV_ATTENTION_CHOICES = ("auto", "device", "cpu")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ class Policy:
                                        # unless a plan chose (generate's: zerolite.planner.experts_side)
     cpu_expert_layers: int | None = None  # with experts cpu: of the layers read per expert, how many the host
                                           # computes the experts of, spread among the rest (None: all)
+    kv_disk: float = 0.0               # share of the layers whose K/V lives in a file per layer on disk, read one
+                                       # layer ahead through the engine
+    kv_attention: str = "auto"         # attention over K/V off the device: "device" copies it there, "cpu" computes
+                                       # it where it lives (only the query and the output cross the link); "auto"
+                                       # is device unless a plan chose (generate's: zerolite.planner.kv_side)
+    micro_batches: int = 1             # device micro-batches per pass over the weights: the device holds one
+                                       # micro-batch's activations at a time
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
@@ -66,6 +74,14 @@ class Policy:
         if not 0.0 <= self.kv_offload <= 1.0:
             raise ZeroliteError(f"`kv_offload` is the fraction of layers whose K/V cache lives in host memory: "
                                 f"give a number from 0 to 1, not {self.kv_offload}")
+        if not 0.0 <= self.kv_disk <= 1.0 or self.kv_offload + self.kv_disk > 1.0:
+            raise ZeroliteError(f"`kv_disk` is the fraction of layers whose K/V cache lives on disk: give a number from "
+                                f"0 to 1 that, with `kv_offload`, makes at most 1, not {self.kv_disk}")
+        if self.kv_attention not in KV_ATTENTION_CHOICES:
+            raise ZeroliteError(f"unknown `kv_attention` {self.kv_attention!r}: choose one of "
+                                f"{', '.join(KV_ATTENTION_CHOICES)}")
+        if self.micro_batches < 1:
+            raise ZeroliteError(f"`micro_batches` must be at least 1, got {self.micro_batches}")
         if self.kv_bits not in KV_BITS:
             raise ZeroliteError(f"`kv_bits` keeps the K/V cache at 16 bits (the model's dtype), 8 or 4: "
                                 f"choose one of {', '.join(map(str, KV_BITS))}, not {self.kv_bits}")
