@@ -241,12 +241,21 @@ def kv_row(best, costs, hardware, job) -> str:
     device, host, disk = shares(hardware, c)
     places = [("on the GPU", device)] if hardware.gpu else []
     places += [("in host memory", host), ("on disk", disk)]
-    where = ", ".join(f"{share:g} of the layers' {name}" for name, share in places if share)
+    where = ", ".join(f"{'all' if share == 1 else f'{share:.0%} of'} the layers' {name}"
+                      for name, share in places if share)
     line = f"{total / 1e9:.1f} GB at {c.kv_bits} bits: {where or 'none'}"
     if hardware.gpu and host + disk:
         line += ("; attention over it on the CPU where it lives" if c.kv_attention == "cpu"
                  else "; copied to the GPU for attention")
     return line
+
+
+def cpu_work(costs, c, hardware) -> str:
+    """What a GPU machine's CPU computes in the chosen plan."""
+    from zerolite.planner.kv_costs import cpu_attends
+
+    work = (["experts"] if c.cpu_expert_layers else []) + (["attention"] if cpu_attends(hardware, c) else [])
+    return " and ".join(work)
 
 
 def show(costs, hardware, job, choice, command: list[str]) -> None:
@@ -289,7 +298,7 @@ def show(costs, hardware, job, choice, command: list[str]) -> None:
         table.add_row("experts", experts_row(best, costs, hardware))
     table.add_row("prefill", f"{best.prefill_s:.3f} s")
     parts = [f"disk {best.disk_s:.3f}", f"compute {best.compute_s:.3f}"]
-    parts += [f"of it the CPU's experts {best.cpu_s:.3f}"] if best.cpu_s else []
+    parts += [f"of it the CPU's {cpu_work(costs, c, hardware)} {best.cpu_s:.3f}"] if best.cpu_s else []
     parts += [f"copy {best.copy_s:.3f}"] if hardware.gpu else []
     table.add_row("decode step", f"{best.decode_step_s:.3f} s ({', '.join(parts)} s): {best.bottleneck}-bound")
     table.add_row("tokens/s", f"{best.tokens_per_s:.2f} (a batch's new tokens over its prefill and decode)")

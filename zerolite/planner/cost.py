@@ -188,6 +188,7 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         compute = layers * per_layer + c.micro_batches * (
             step_overhead(micro * tokens) + hardware.seconds("stored", costs.head_weights, micro, itemsize))
         compute += kv.compute_s
+        per_layer += kv.compute_s / layers  # attention over each layer's K/V, as it computes
         cpu += kv.cpu_s
         # a streamed one's, on average: its experts where they compute, and its dequantisation
         streamed_extra = instead + c.micro_batches * dequantize()
