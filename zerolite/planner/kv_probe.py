@@ -33,8 +33,8 @@ def probe_kv_codec(device: Device, dtype: torch.dtype) -> dict[int, dict[str, fl
     for bits in (8, 4):
         codec = KVCodec(bits)
         packed = codec.encode(states)
-        decode = timed(lambda: codec.decode(packed, dtype, SHAPE[-1]), device) / states.numel()
-        rates[bits] = {"decode_s": decode, "encode_s": timed(lambda: codec.encode(token), device)}
+        decode = timed(lambda c=codec, p=packed: c.decode(p, dtype, SHAPE[-1]), device) / states.numel()
+        rates[bits] = {"decode_s": decode, "encode_s": timed(lambda c=codec: c.encode(token), device)}
     return rates
 
 

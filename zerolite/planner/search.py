@@ -3,10 +3,11 @@
     choice = search(costs, hardware, job, Pins(weights="int4"))
     choice.best.tokens_per_s
 
-It tries the weight formats, batch sizes (powers of two, and the pinned one), the K/V's bits, its
-placement, where attention over it runs and the micro-batches a pass serves (kv_side), prefetch depths, how many layers to keep on the GPU and in host memory (as many as
-fit, none, and steps between: holding layers costs fill time that a short job may not win back),
-and on a GPU how many of a mixture's layers have their experts computed on the CPU (experts_side).
+It tries the weight formats, batch sizes (powers of two, and the pinned one), the K/V's bits,
+prefetch depths, how many layers to keep on the GPU and in host memory (as many as fit, none, and
+steps between: holding layers costs fill time that a short job may not win back), for each the
+K/V's placement, where attention over it runs and the micro-batches a pass serves (kv_side), and
+on a GPU how many of a mixture's layers have their experts computed on the CPU (experts_side).
 Whatever is pinned (the flags generate takes) is held to. Throughput ranks candidates by the job's
 tokens per second, fill included; latency (batch 1) by the job's time.
 """
@@ -17,11 +18,11 @@ from dataclasses import dataclass, field
 
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import host_bytes
+from zerolite.memory_model import KV_BITS
 from zerolite.planner.cost import Candidate, Job, Prediction, on_gpu, predict
 from zerolite.planner.experts_side import experts_sides
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.kv_side import Room, kv_sides, placements
-from zerolite.memory_model import KV_BITS
 from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
 
 BATCH_SIZES = tuple(2**k for k in range(11))   # 1 .. 1024

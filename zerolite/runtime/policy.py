@@ -75,8 +75,8 @@ class Policy:
             raise ZeroliteError(f"`kv_offload` is the fraction of layers whose K/V cache lives in host memory: "
                                 f"give a number from 0 to 1, not {self.kv_offload}")
         if not 0.0 <= self.kv_disk <= 1.0 or self.kv_offload + self.kv_disk > 1.0:
-            raise ZeroliteError(f"`kv_disk` is the fraction of layers whose K/V cache lives on disk: give a number from "
-                                f"0 to 1 that, with `kv_offload`, makes at most 1, not {self.kv_disk}")
+            raise ZeroliteError(f"`kv_disk` is the fraction of layers whose K/V cache lives on disk: give a number "
+                                f"from 0 to 1 that, with `kv_offload`, makes at most 1, not {self.kv_disk}")
         if self.kv_attention not in KV_ATTENTION_CHOICES:
             raise ZeroliteError(f"unknown `kv_attention` {self.kv_attention!r}: choose one of "
                                 f"{', '.join(KV_ATTENTION_CHOICES)}")
