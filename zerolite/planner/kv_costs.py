@@ -70,7 +70,7 @@ def cpu_attends(hardware: Hardware, c) -> bool:
 def kv_step(costs, hardware: Hardware, c, batch: int, context: float, prefill: bool) -> KvStep:
     if not costs.shape.attending_layers:
         return KvStep()
-    device, host, disk = shares(hardware, c)
+    _, host, disk = shares(hardware, c)
     off = host + disk if hardware.gpu else 0.0
     itemsize = costs.dtype.itemsize
     packed, dense = batch * context * costs.kv_bytes(c.kv_bits), batch * context * costs.kv_bytes(16)
@@ -89,7 +89,7 @@ def kv_step(costs, hardware: Hardware, c, batch: int, context: float, prefill: b
     on_cpu = cpu_attends(hardware, c)
     if on_cpu:
         copy_s = off * layers * 2 * batch * costs.shape.hidden * itemsize / link
-        cpu = attention(cpu_processor(hardware, costs), c, off, packed, dense, itemsize, layers, rows, width) \
+        cpu = attention(described(hardware.cpu_gbps), c, off, packed, dense, itemsize, layers, rows, width) \
             + off * layers * c.micro_batches * ROUND_TRIP_S
         gpu = attention(compute_device(hardware, costs), c, 1.0 - off, packed, dense, itemsize, layers, rows, width)
         return KvStep(disk_s=disk_s, copy_s=copy_s, compute_s=gpu + cpu, cpu_s=cpu)
@@ -119,19 +119,15 @@ def compute_device(hardware: Hardware, costs) -> Processor:
     return Processor(streamed_gbps(hardware, costs.dtype.itemsize), hardware.kv_codec or described(None).codec)
 
 
-def cpu_processor(hardware: Hardware, costs) -> Processor:
-    """A GPU machine's CPU, for attention over the K/V in host memory."""
-    return described(hardware.cpu_gbps)
-
-
 def described(gbps: float | None) -> Processor:
-    """A processor known by its memory rate alone: its codec at that rate."""
+    """A processor known by its memory rate alone (a described GPU, a GPU machine's CPU): its codec at
+    that rate."""
     codec = {bits: {"decode_s": per / (gbps * 1e9) if gbps else 0.0, "encode_s": ENCODE_CALL_S}
              for bits, per in CODEC_BYTES_PER_ELEMENT.items()}
     return Processor(gbps, codec)
 
 
-def streamed_gbps(hardware: Hardware, itemsize: int) -> float | None:
+def streamed_gbps(hardware: Hardware, itemsize: int) -> float:
     """What the probed matmuls stream at one row (memory-bound there), in GB/s."""
     rates = hardware.compute["stored"]
     return itemsize / rates[min(rates)] / 1e9
