@@ -108,6 +108,11 @@ CASES = [
          id="generate-kv-offload-negative"),
     case("generate hi --model {layout} --device cpu --kv-bits 3", "--kv-bits", "16, 8, 4, not 3",
          id="generate-kv-bits-3"),
+    # plan: the K/V's and the micro-batches' flags, checked as generate checks them
+    case("plan --model {source} --device cpu --kv-disk 0.6 --kv-offload 0.6", "--kv-disk", "at most 1",
+         id="plan-kv-disk-and-offload-above-1"),
+    case("plan --model {source} --device cpu --kv-attention gpu", "--kv-attention", "auto, device, cpu",
+         id="plan-kv-attention-unknown"),
     # generate: files in and out
     case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist",
          id="generate-input-missing"),
