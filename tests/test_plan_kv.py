@@ -139,10 +139,11 @@ FLEXGEN = {  # the three settings of its Table 2, each a model and the flags tha
 
 def test_flexgens_three_t4_settings_are_planned_from_machine_flags(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))
+    configs, planned = {}, {}
     for name, hidden, layers in (("opt-30b", 7168, 48), ("opt-175b", 12288, 96)):
-        OPTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 128, ffn_dim=4 * hidden,
-                  word_embed_proj_dim=hidden, vocab_size=50272, dtype="float16").save_pretrained(tmp_path / name)
-    planned = {}
+        configs[name] = OPTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 128,
+                                  ffn_dim=4 * hidden, word_embed_proj_dim=hidden, vocab_size=50272, dtype="float16")
+        configs[name].save_pretrained(tmp_path / name)
     for setting, (model, flags) in FLEXGEN.items():
         result = run(capsys, monkeypatch, "plan", "--json", "--model", tmp_path / model, *T4, *flags)
         assert result.code == 0, (setting, result.stderr)
@@ -150,7 +151,11 @@ def test_flexgens_three_t4_settings_are_planned_from_machine_flags(tmp_path, cap
     thirty, disk, four = planned.values()
     assert (thirty["batch_size"], thirty["kv_offload"], thirty["kv_bits"]) == (144, 1.0, 16)
     assert (disk["batch_size"], disk["kv_disk"], disk["host_layers"], disk["disk_layers"]) == (256, 1.0, 48, 48)
+    # disk-bound: half the layers and the K/V at a step's mean context (and the new token's) over 2 GB/s
+    costs = ModelCosts.from_config(configs["opt-175b"], torch.float16)
+    kv = costs.kv_bytes(16) * 256 * (512 + 16 + 1)
     assert disk["bottleneck"] == "disk"
+    assert disk["decode_step_s"] == pytest.approx((48 * costs.formats["stored"].layer_bytes + kv) / 2e9, rel=1e-6)
     assert (four["weights"], four["kv_bits"], four["batch_size"]) == ("int4", 4, 144)
     for p in planned.values():  # each prefill in micro-batches: a batch of 512-token prompts is far past 16 GB
         assert p["micro_batches"] > 1 and p["gpu_bytes"] <= 16e9 and p["tokens_per_s"] > 0

@@ -210,11 +210,13 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
             # prefetch_depth blocks are read into staging buffers of their own whatever the ring's
             # place (zerolite.runtime.slots), the ring reaches as many past the held ones. Otherwise
             # they are spread among the held ones: past each gap, the ring's other slots.
+            # The K/V of the held layers that lives on disk is read meanwhile (a layer ahead of each).
             held = compute - disk_layers * per_layer
+            held_kv = kv.disk_s * (layers - disk_layers) / layers
             if hardware.gpu or costs.experts:
-                disk += max(held - c.prefetch_depth * moved / rate, 0.0)
+                disk += max(held - c.prefetch_depth * moved / rate - held_kv, 0.0)
             else:
-                disk += disk_layers * max(held / disk_layers - (c.prefetch_depth - 1) * moved / rate, 0.0)
+                disk += disk_layers * max((held - held_kv) / disk_layers - (c.prefetch_depth - 1) * moved / rate, 0.0)
         total = max(disk, copy, compute) if c.prefetch_depth >= 2 else disk + copy + compute
         return total, disk, copy, compute, cpu
 
