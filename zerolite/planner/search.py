@@ -27,6 +27,7 @@ from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
 
 BATCH_SIZES = tuple(2**k for k in range(11))   # 1 .. 1024
 PREFETCH_DEPTHS = (2, 3, 4, 6, 8, 12, 16)  # deep rings keep the disk reading while held layers compute
+KV_BITS_GAIN = 0.01   # the share of tokens/s (or of the job's time) K/V at fewer bits must gain to be chosen
 TIER_STEPS = 8                                  # host-tier sizes tried between none and all that fit
 
 
@@ -94,7 +95,17 @@ def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(),
         return (round(speed, 6), c.kv_bits, -c.micro_batches, -p.host_bytes - p.gpu_bytes, -c.prefetch_depth,
                 -max(p.copy_s, p.compute_s))
 
-    return Choice(max(tried, key=rank), tried)
+    best = max(tried, key=rank)
+    # K/V at fewer bits loses some accuracy: it is chosen only where it gains more than KV_BITS_GAIN
+    for bits in sorted({p.candidate.kv_bits for p in tried}, reverse=True):
+        if bits <= best.candidate.kv_bits:
+            break
+        more = max((p for p in tried if p.candidate.kv_bits == bits), key=rank)
+        kept, chosen = rank(more)[0], rank(best)[0]  # tokens/s, or minus the job's seconds (latency)
+        if (kept >= chosen * (1 + KV_BITS_GAIN)) if latency else (kept * (1 + KV_BITS_GAIN) >= chosen):
+            best = more
+            break
+    return Choice(best, tried)
 
 
 def tiers(costs: ModelCosts, hardware: Hardware, weights: str, pins: Pins) -> list[tuple[int, int]]:
