@@ -116,6 +116,11 @@ CASES = [
          "--path", id="generate-kv-disk-without-a-disk"),
     case("generate hi --model {layout} --device cpu --kv-offload 0.6 --kv-disk 0.6", "--kv-disk",
          "at most 1 together", id="generate-kv-disk-with-kv-offload-above-1"),
+    # plan: the K/V's and the micro-batches' flags, checked as generate checks them
+    case("plan --model {source} --device cpu --kv-disk 0.6 --kv-offload 0.6", "--kv-disk", "at most 1",
+         id="plan-kv-disk-and-offload-above-1"),
+    case("plan --model {source} --device cpu --kv-attention gpu", "--kv-attention", "auto, device, cpu",
+         id="plan-kv-attention-unknown"),
     # generate: files in and out
     case("generate --model {layout} --device cpu --input /nonexistent.jsonl", "does not exist",
          id="generate-input-missing"),

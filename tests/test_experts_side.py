@@ -213,7 +213,7 @@ def test_the_cpus_expert_rates_are_its_matmul_probes_recorded_once(tmp_path, mon
     for _ in range(2):
         rated = cpu_experts.with_cpu_experts(gpu, mixture, torch.bfloat16)
         assert (rated.cpu_gbps, rated.cpu_tflops) == pytest.approx((2 / 2e-11 / 1e9, 2 * 1024 / 1e-13 / 1e12))
-    assert probed == ["cpu"] and rated.sources["cpu_experts"] == "this CPU's matmuls, recorded"
+    assert probed == ["cpu"] and rated.sources["cpu"] == "this CPU's matmuls, recorded"
     given = dataclasses.replace(gpu, cpu_gbps=300.0, cpu_tflops=5.0)
     assert cpu_experts.with_cpu_experts(given, mixture, torch.bfloat16) == given
     assert cpu_experts.with_cpu_experts(dataclasses.replace(gpu, gpu=False), mixture, torch.bfloat16).cpu_gbps is None

@@ -94,7 +94,7 @@ def predicted(layout, rates: Rates, candidate: Candidate, kv_gb_per_layer: float
     kv_per_token = kv_gb_per_layer * 1e9 / len(PROMPT) * LAYERS  # over all layers, as ModelCosts counts it
     costs = replace(tiny, formats={"stored": FormatCosts(LAYER_BYTES, tiny.formats["stored"].always_bytes, 0)},
                     dense_weights=LAYER_WEIGHTS, head_weights=HEAD_WEIGHTS, attention_width=0,
-                    kv_bytes_per_token=int(kv_per_token))
+                    kv_bytes_per_token=int(kv_per_token), kv_bytes_at={16: int(kv_per_token)})
     per_weight = {r: max(2 * r / (rates.tflops * 1e12), 2 / (rates.memory_gbps * 1e9)) for r in (1, 16, 64, 256, 4096,
                                                                                                  16384)}
     hardware = Hardware(gpu=True, gpu_ram=80 << 30, host_ram=1 << 40, disk_gbps=rates.disk_gbps,

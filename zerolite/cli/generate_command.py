@@ -173,6 +173,9 @@ def plan_the_job(spec: LoadSpec, prompts: list, new_tokens: int,
         spec = dataclasses.replace(spec, experts="cpu" if on_cpu else "device",
                                    cpu_expert_layers=c.cpu_expert_layers if best.experts == "split" else None)
         chosen.append(f"experts on the CPU in {c.cpu_expert_layers} layers" if on_cpu else "experts copied to the GPU")
+    if spec.kv_attention in (None, "auto") and c.kv_offload + c.kv_disk and best.gpu_bytes:  # off a GPU
+        spec = dataclasses.replace(spec, kv_attention=c.kv_attention)
+        chosen.append(f"attention over the K/V off the device on the {'CPU' if c.kv_attention == 'cpu' else 'device'}")
     line = (f"plan for {len(prompts)} prompts x {new_tokens} tokens: {', '.join(chosen)} ({c.weights} weights; "
             f"predicted {best.tokens_per_s:.1f} tokens/s, {best.bottleneck}-bound, {best.fill_s:.1f} s filling memory; "
             "zerolite plan says why)")

@@ -25,6 +25,9 @@ GpuTflops = rate_option(
 CpuGbps = rate_option(
     "--cpu-gbps", "The CPU's rate for a mixture's experts on a GPU machine: the weight bytes its matmuls stream at "
     "batch 1, as 300GB/s (default: this machine's CPU, measured).")
+GpuGbps = rate_option(
+    "--gpu-gbps", "A described GPU's memory bandwidth, as 320GB/s: a small batch's matmuls wait on it, and "
+    "dequantising weights and reading the K/V run at it (default: none counted).")
 CpuTflops = rate_option(
     "--cpu-tflops", "The CPU's matmul rate at a large batch in the model's dtype, as 5TFLOPS (default: this "
     "machine's CPU, measured).")
@@ -56,6 +59,16 @@ def plan(
     kv_offload: Annotated[float | None, typer.Option(
         "--kv-offload", help="Pin the share of layers whose K/V cache lives in host memory (GPU).",
         show_default=False)] = None,
+    kv_disk: Annotated[float | None, typer.Option(
+        "--kv-disk", help="Pin the share of layers whose K/V cache lives on disk.", show_default=False)] = None,
+    kv_bits: Annotated[int | None, typer.Option(
+        "--kv-bits", help="Pin the K/V cache's bits: 16, 8 or 4.", show_default=False)] = None,
+    kv_attention: Annotated[str, typer.Option(
+        "--kv-attention", help="Attention over the K/V off a GPU: device copies it there, cpu computes it where it "
+        "lives (only the query and the output cross the link), auto prices both.")] = "auto",
+    micro_batches: Annotated[int | None, typer.Option(
+        "--micro-batches", min=1, help="Pin the device micro-batches each pass over the weights serves.",
+        show_default=False)] = None,
     prefetch_depth: Annotated[int | None, typer.Option(
         min=1, help="Pin the slots in the ring.", show_default=False)] = None,
     experts: Annotated[str, typer.Option(
@@ -74,6 +87,7 @@ def plan(
     gpu_tflops: GpuTflops = None,
     cpu_gbps: CpuGbps = None,
     cpu_tflops: CpuTflops = None,
+    gpu_gbps: GpuGbps = None,
 ) -> None:
     """Choose the batch size, weight format, tiers, K/V offload and prefetch depth for the most tokens/s
     (or, with --latency, the least time per prompt), and predict prefill, decode step and what limits it.
@@ -94,7 +108,8 @@ def plan(
     if experts not in EXPERTS_PINS:
         raise ZeroliteError(f"unknown --experts {experts!r}: choose device, cpu or auto")
     # generate's checks of those flags
-    Policy(offload=offload or "nvme", device=device, kv_offload=kv_offload or 0.0,
+    Policy(offload=offload or "nvme", device=device, kv_offload=kv_offload or 0.0, kv_disk=kv_disk or 0.0,
+           kv_bits=kv_bits or 16, kv_attention=kv_attention, micro_batches=micro_batches or 1,
            experts=experts, cpu_expert_layers=cpu_expert_layers)
     flags = {
         "disk_gbps": parse_bandwidth(disk_gbps, "--disk-gbps") if disk_gbps else None,
@@ -102,6 +117,7 @@ def plan(
         "gpu_tflops": parse_flops(gpu_tflops, "--gpu-tflops") if gpu_tflops else None,
         "cpu_gbps": parse_bandwidth(cpu_gbps, "--cpu-gbps") if cpu_gbps else None,
         "cpu_tflops": parse_flops(cpu_tflops, "--cpu-tflops") if cpu_tflops else None,
+        "gpu_gbps": parse_bandwidth(gpu_gbps, "--gpu-gbps") if gpu_gbps else None,
         "host_ram": parse_size(host_ram, "--host-ram") if host_ram else None,
         "gpu_ram": parse_size(gpu_ram, "--gpu-ram") if gpu_ram else None,
     }
@@ -124,7 +140,8 @@ def plan(
                 cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
                 gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
                 prefetch_depth=prefetch_depth, offload=offload, experts=None if experts == "auto" else experts,
-                cpu_expert_layers=cpu_expert_layers)
+                cpu_expert_layers=cpu_expert_layers, kv_bits=kv_bits, kv_disk=kv_disk,
+                kv_attention=None if kv_attention == "auto" else kv_attention, micro_batches=micro_batches)
     job = Job(prompt_tokens, new_tokens, prompts)
     with planner_part("weigh the plans"):
         choice = search(costs, hardware, job, pins, latency=latency or pins.batch_size == 1)
@@ -153,6 +170,14 @@ def generate_command(model: str | None, best, gpu: bool) -> list[str]:
         words += ["--gpu-memory", megabytes(best.gpu_memory)]
     if c.kv_offload:
         words += ["--kv-offload", f"{c.kv_offload:g}"]
+    if c.kv_disk:
+        words += ["--kv-disk", f"{c.kv_disk:g}"]
+    if c.kv_bits != 16:
+        words += ["--kv-bits", str(c.kv_bits)]
+    if gpu and c.kv_offload + c.kv_disk:
+        words += ["--kv-attention", c.kv_attention]
+    if c.micro_batches > 1:
+        words += ["--micro-batches", str(c.micro_batches)]
     if best.experts is not None:
         words += ["--experts", "device" if best.experts == "device" else "cpu"]
         words += ["--cpu-expert-layers", str(c.cpu_expert_layers)] if best.experts == "split" else []
@@ -168,6 +193,8 @@ def plan_dict(best, costs, hardware, command: list[str]) -> dict:
     c = best.candidate
     return {
         "model": costs.name, "batch_size": c.batch_size, "weights": c.weights, "kv_offload": c.kv_offload,
+        "kv_disk": c.kv_disk, "kv_bits": c.kv_bits, "kv_attention": c.kv_attention if hardware.gpu else "device",
+        "micro_batches": c.micro_batches,
         "gpu_layers": c.gpu_layers, "host_layers": c.host_layers,
         "disk_layers": costs.layers - c.gpu_layers - c.host_layers,
         "prefetch_depth": c.prefetch_depth, "cpu_memory": best.cpu_memory, "gpu_memory": best.gpu_memory,
@@ -179,7 +206,8 @@ def plan_dict(best, costs, hardware, command: list[str]) -> dict:
         "hardware": {"gpu": hardware.gpu, "host_ram": hardware.host_ram, "gpu_ram": hardware.gpu_ram,
                      "disk_gbps": hardware.disk_gbps, "fill_gbps": hardware.fill_gbps, "h2d_gbps": hardware.h2d_gbps,
                      "gpu_tflops": hardware.gpu_tflops, "cpu_gbps": hardware.cpu_gbps,
-                     "cpu_tflops": hardware.cpu_tflops, "sources": hardware.sources},
+                     "cpu_tflops": hardware.cpu_tflops, "gpu_gbps": hardware.gpu_gbps,
+                     "sources": hardware.sources},
         "command": command,
     }
 
@@ -202,6 +230,32 @@ def experts_row(best, costs, hardware) -> str:
                 "parts copied")
     return (f"routed experts of {c.cpu_expert_layers} of the {streamed} streamed layers computed by {cpu} {share}, "
             f"the other {streamed - c.cpu_expert_layers} layers' {link}")
+
+
+def kv_row(best, costs, hardware, job) -> str:
+    """Where the chosen plan keeps the K/V cache, at what bits, and who attends over it."""
+    from zerolite.planner.kv_costs import shares
+
+    c = best.candidate
+    total = c.batch_size * (job.prompt_tokens + job.new_tokens) * costs.kv_bytes(c.kv_bits)
+    device, host, disk = shares(hardware, c)
+    places = [("on the GPU", device)] if hardware.gpu else []
+    places += [("in host memory", host), ("on disk", disk)]
+    where = ", ".join(f"{'all' if share == 1 else f'{share:.0%} of'} the layers' {name}"
+                      for name, share in places if share)
+    line = f"{total / 1e9:.1f} GB at {c.kv_bits} bits: {where or 'none'}"
+    if hardware.gpu and host + disk:
+        line += ("; attention over it on the CPU where it lives" if c.kv_attention == "cpu"
+                 else "; copied to the GPU for attention")
+    return line
+
+
+def cpu_work(costs, c, hardware) -> str:
+    """What a GPU machine's CPU computes in the chosen plan."""
+    from zerolite.planner.kv_costs import cpu_attends
+
+    work = (["experts"] if c.cpu_expert_layers else []) + (["attention"] if cpu_attends(hardware, c) else [])
+    return " and ".join(work)
 
 
 def show(costs, hardware, job, choice, command: list[str]) -> None:
@@ -235,14 +289,16 @@ def show(costs, hardware, job, choice, command: list[str]) -> None:
     tiers += [f"{c.host_layers} in host memory ({c.host_layers * fmt.layer_bytes / 1e9:.2f} GB)",
               f"{disk_layers} read from disk at every step ({disk_layers * fmt.layer_bytes / 1e9:.2f} GB)"]
     table.add_row("layers", ", ".join(tiers))
-    if hardware.gpu:
-        table.add_row("K/V offload", f"{c.kv_offload:g} of the layers' K/V in host memory")
+    table.add_row("K/V cache", kv_row(best, costs, hardware, job))
+    if c.micro_batches > 1:
+        table.add_row("micro-batches", f"{c.micro_batches} of {-(-c.batch_size // c.micro_batches)} sequences per pass "
+                      "over the weights")
     table.add_row("prefetch depth", str(c.prefetch_depth))
     if costs.experts:
         table.add_row("experts", experts_row(best, costs, hardware))
     table.add_row("prefill", f"{best.prefill_s:.3f} s")
     parts = [f"disk {best.disk_s:.3f}", f"compute {best.compute_s:.3f}"]
-    parts += [f"of it the CPU's experts {best.cpu_s:.3f}"] if best.cpu_s else []
+    parts += [f"of it the CPU's {cpu_work(costs, c, hardware)} {best.cpu_s:.3f}"] if best.cpu_s else []
     parts += [f"copy {best.copy_s:.3f}"] if hardware.gpu else []
     table.add_row("decode step", f"{best.decode_step_s:.3f} s ({', '.join(parts)} s): {best.bottleneck}-bound")
     table.add_row("tokens/s", f"{best.tokens_per_s:.2f} (a batch's new tokens over its prefill and decode)")

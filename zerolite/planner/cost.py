@@ -41,6 +41,7 @@ from zerolite.memory_model import prefill_activation_bytes
 from zerolite.planner.compute_probe import LAYER_CONTEXT
 from zerolite.planner.cpu_experts import cpu_layer_seconds
 from zerolite.planner.hardware import RUNTIME_BYTES, Hardware, at
+from zerolite.planner.kv_costs import kv_memory, kv_step
 from zerolite.planner.model_costs import ModelCosts
 
 WRONG_GUESSES = 0.45   # experts per layer read early on a guess that no token then picks
@@ -62,6 +63,10 @@ class Candidate:
     kv_offload: float = 0.0      # share of the layers whose K/V live in host memory (GPU)
     prefetch_depth: int = 2
     cpu_expert_layers: int = 0   # of the streamed layers, those whose routed experts the CPU computes (GPU, mixture)
+    kv_bits: int = 16            # the K/V cache's bits (--kv-bits)
+    kv_disk: float = 0.0         # share of the layers whose K/V lives on disk
+    kv_attention: str = "device"  # attention over the K/V off the GPU: copied to the "device", or on the "cpu"
+    micro_batches: int = 1       # device micro-batches per pass over the weights
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class Prediction:
     gpu_bytes: int
     cpu_memory: int              # the budgets that give this policy to generate (--cpu-memory, --gpu-memory)
     gpu_memory: int
-    cpu_s: float = 0.0           # per decode step, of compute: the CPU's experts (and their round trips)
+    cpu_s: float = 0.0           # per decode step, of compute: the CPU's experts and attention (and their round trips)
     experts: str | None = None   # a mixture's routed experts on a GPU: "device", "cpu", or "split" (some layers each);
                                  # None for a dense model, or with nothing to choose (no GPU, or no layer streamed)
 
@@ -94,7 +99,8 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
     disk_layers = layers - c.host_layers - c.gpu_layers
     streamed_layers = layers - c.gpu_layers
     context = job.prompt_tokens + job.new_tokens / 2  # a decode step's, on average
-    kv = b * (job.prompt_tokens + job.new_tokens) * costs.kv_bytes_per_token
+    micro = -(-b // c.micro_batches)  # sequences in a micro-batch
+    itemsize = costs.dtype.itemsize
 
     dense_part = fmt.layer_bytes - costs.experts * fmt.expert_bytes  # a mixture's layer less its experts
 
@@ -109,11 +115,11 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         return fmt.layer_bytes - (costs.experts - picked - wrong) * fmt.expert_bytes
 
     def matmuls(weights: str, rows: int, positions: float) -> float:
-        seconds = hardware.seconds(weights, costs.dense_weights, rows)
+        seconds = hardware.seconds(weights, costs.dense_weights, rows, itemsize)
         if costs.experts:
             picked = costs.expected_experts(rows)
             seconds += picked * hardware.seconds("stored", costs.expert_weights,
-                                                 rows * costs.experts_per_token / picked)
+                                                 rows * costs.experts_per_token / picked, itemsize)
         return seconds + hardware.flop_seconds(4 * rows * positions * costs.attention_width)
 
     def beyond(rows: float) -> float:
@@ -141,9 +147,20 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
     def gpu_experts(rows: int) -> float:
         """What the GPU's matmuls of a layer's routed experts take (as matmuls() counts them)."""
         picked = costs.expected_experts(rows)
-        return picked * hardware.seconds("stored", costs.expert_weights, rows * costs.experts_per_token / picked)
+        return picked * hardware.seconds("stored", costs.expert_weights, rows * costs.experts_per_token / picked,
+                                         itemsize)
 
-    def step(rows: int, tokens_in_context: float, prefill: bool) -> tuple[float, float, float, float, float]:
+    def dequantize() -> float:
+        """A described GPU's dequantisation of a streamed quantized layer (read its codes, write and
+        read the dense weights) at its memory rate: a GPU measured here has it in its probe."""
+        if hardware.compute is not None or c.weights == "stored" or not hardware.gpu_gbps:
+            return 0.0
+        return (fmt.layer_bytes + 2 * fmt.dense_bytes) / (hardware.gpu_gbps * 1e9)
+
+    def step(tokens: int, tokens_in_context: float, prefill: bool) -> tuple[float, float, float, float, float]:
+        """A prefill (tokens: the prompt's) or decode step (1) of the batch, in micro-batches of micro
+        sequences: the weights moved once, each micro-batch computed in turn while a layer is loaded."""
+        rows = b * tokens
         # A ring with a slot for every streamed layer keeps them there after the first forward: a
         # decode step then reads and copies nothing (tests/test_timed_device.py). Counted on a GPU
         # alone for now: on a CPU the search would then pick a deep ring over held layers.
@@ -153,21 +170,30 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         # their copies only the dense part, their experts' time the CPU's instead of the GPU's.
         on_cpu = c.cpu_expert_layers / streamed_layers if c.cpu_expert_layers else 0.0
         copied = (1 - on_cpu) * moved + (0 if kept else on_cpu * dense_part)
-        one = cpu_layer_seconds(costs, hardware, rows) if on_cpu else 0.0
-        cpu, instead = c.cpu_expert_layers * one, on_cpu * (one - gpu_experts(rows)) if on_cpu else 0.0
+        one = c.micro_batches * cpu_layer_seconds(costs, hardware, micro * tokens) if on_cpu else 0.0
+        cpu = c.cpu_expert_layers * one
+        instead = on_cpu * (one - c.micro_batches * gpu_experts(micro * tokens)) if on_cpu else 0.0
         disk = disk_layers * moved / rate
         if costs.experts and disk_layers and not kept:
             # The first layer read from disk has no layer before it to guess its experts (nor to
             # guess wrong): they are read once its router has picked them, with nothing to overlap.
             disk += (step_bytes(rows, guessed=False) - moved + costs.expected_experts(rows) * fmt.expert_bytes) / rate
-        copy = 0.0
+        kv = kv_step(costs, hardware, c, b, tokens_in_context, prefill)
+        disk += kv.disk_s
+        copy = kv.copy_s
         if hardware.gpu:
-            kv_now = c.kv_offload * b * tokens_in_context * costs.kv_bytes_per_token
-            copy = (streamed_layers * copied + (0 if prefill else kv_now)) / (hardware.h2d_gbps * 1e9)
-        per_layer = layer_compute(rows, tokens_in_context, prefill)
-        compute = layers * per_layer + step_overhead(rows) + hardware.seconds("stored", costs.head_weights, b)
-        compute += streamed_layers * instead
-        per_layer += instead  # a streamed one's, on average
+            copy += streamed_layers * copied / (hardware.h2d_gbps * 1e9)
+        one_pass = layer_compute(micro * tokens, tokens_in_context, prefill)
+        per_layer = c.micro_batches * one_pass
+        compute = layers * per_layer + c.micro_batches * (
+            step_overhead(micro * tokens) + hardware.seconds("stored", costs.head_weights, micro, itemsize))
+        compute += kv.compute_s
+        per_layer += kv.compute_s / layers  # attention over each layer's K/V, as it computes
+        cpu += kv.cpu_s
+        # a streamed one's, on average: its experts where they compute, and its dequantisation
+        streamed_extra = instead + c.micro_batches * dequantize()
+        compute += streamed_layers * streamed_extra
+        per_layer += streamed_extra
         if copy and streamed_layers and c.prefetch_depth >= 2 and not kept:
             # The copy engine idles where what computes between two streamed layers (resident
             # layers, and the head at the step's turn) takes longer than the copies the ring has
@@ -184,35 +210,26 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
             # prefetch_depth blocks are read into staging buffers of their own whatever the ring's
             # place (zerolite.runtime.slots), the ring reaches as many past the held ones. Otherwise
             # they are spread among the held ones: past each gap, the ring's other slots.
+            # The K/V of the held layers that lives on disk is read meanwhile (a layer ahead of each).
             held = compute - disk_layers * per_layer
+            held_kv = kv.disk_s * (layers - disk_layers) / layers
             if hardware.gpu or costs.experts:
-                disk += max(held - c.prefetch_depth * moved / rate, 0.0)
+                disk += max(held - c.prefetch_depth * moved / rate - held_kv, 0.0)
             else:
-                disk += disk_layers * max(held / disk_layers - (c.prefetch_depth - 1) * moved / rate, 0.0)
+                disk += disk_layers * max((held - held_kv) / disk_layers - (c.prefetch_depth - 1) * moved / rate, 0.0)
         total = max(disk, copy, compute) if c.prefetch_depth >= 2 else disk + copy + compute
         return total, disk, copy, compute, cpu
 
-    prefill, *_ = step(b * job.prompt_tokens, job.prompt_tokens, prefill=True)
-    decode, disk, copy, compute, cpu = step(b, context, prefill=False)
+    prefill, *_ = step(job.prompt_tokens, job.prompt_tokens, prefill=True)
+    decode, disk, copy, compute, cpu = step(1, context, prefill=False)
     bottleneck = max((disk, "disk"), (copy, "copy"), (compute, "cpu" if 2 * cpu > compute else "compute"))[1]
 
+    held_host, held_gpu = weight_memory(costs, hardware, c)
+    batch_host, batch_gpu = batch_memory(costs, hardware, c, job)
     host_tier = c.host_layers * engine.host_bytes(fmt.layer_bytes)  # as Plan.make counts a layer held in host memory
-    ring = c.prefetch_depth * fmt.layer_bytes if streamed_layers else 0
-    # Where the CPU computes every streamed layer's experts, the GPU's slots hold dense parts alone
-    # (zerolite.runtime.budget.device_slot_bytes); a split's must hold the other layers' experts too.
-    every_on_cpu = streamed_layers and c.cpu_expert_layers == streamed_layers
-    ring_on_gpu = c.prefetch_depth * dense_part if every_on_cpu else ring
-    activations = b * prefill_activation_bytes(costs.shape, job.prompt_tokens, costs.dtype)
+    fill = host_tier / (hardware.fill_gbps * 1e9)
     if hardware.gpu:
-        gpu_bytes = int(fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) + ring_on_gpu
-                        + (1 - c.kv_offload) * kv + activations + fmt.workspace_bytes)
-        host_bytes = int(host_tier + ring + c.kv_offload * kv + RUNTIME_BYTES)
-        fill = (host_tier / (hardware.fill_gbps * 1e9)
-                + c.gpu_layers * fmt.layer_bytes / (min(hardware.disk_gbps, hardware.h2d_gbps) * 1e9))
-    else:
-        gpu_bytes = 0
-        host_bytes = int(fmt.always_bytes + host_tier + (ring if disk_layers else 0) + kv + activations + RUNTIME_BYTES)
-        fill = host_tier / (hardware.fill_gbps * 1e9)
+        fill += c.gpu_layers * fmt.layer_bytes / (min(hardware.disk_gbps, hardware.h2d_gbps) * 1e9)
     batch_s = prefill + (job.new_tokens - 1) * decode
     experts = None
     if hardware.gpu and costs.experts and streamed_layers:
@@ -221,10 +238,41 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
     return Prediction(
         candidate=c, prefill_s=prefill, decode_step_s=decode, disk_s=disk, copy_s=copy, compute_s=compute,
         bottleneck=bottleneck, fill_s=fill, tokens_per_s=b * job.new_tokens / batch_s, job_s=fill + rounds * batch_s,
-        host_bytes=host_bytes, gpu_bytes=gpu_bytes, cpu_memory=host_tier,
+        host_bytes=int(held_host + batch_host), gpu_bytes=int(held_gpu + batch_gpu), cpu_memory=host_tier,
         gpu_memory=fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) if hardware.gpu else 0, cpu_s=cpu,
         experts=experts,
     )
+
+
+def weight_memory(costs: ModelCosts, hardware: Hardware, c: Candidate) -> tuple[int, int]:
+    """(host bytes, GPU bytes) c's weights take where they live, with the ring's slots, the
+    dequantisation's workspace, the process and a described GPU's context: whatever the batch."""
+    fmt = costs.formats[c.weights]
+    streamed_layers = costs.layers - c.gpu_layers
+    disk_layers = streamed_layers - c.host_layers
+    host_tier = c.host_layers * engine.host_bytes(fmt.layer_bytes)  # as Plan.make counts a layer held in host memory
+    ring = c.prefetch_depth * fmt.layer_bytes if streamed_layers else 0
+    if not hardware.gpu:
+        return fmt.always_bytes + host_tier + (ring if disk_layers else 0) + RUNTIME_BYTES, 0
+    # Where the CPU computes every streamed layer's experts, the GPU's slots hold dense parts alone
+    # (zerolite.runtime.budget.device_slot_bytes); a split's must hold the other layers' experts too.
+    every_on_cpu = streamed_layers and c.cpu_expert_layers == streamed_layers
+    dense_part = fmt.layer_bytes - costs.experts * fmt.expert_bytes
+    ring_on_gpu = c.prefetch_depth * dense_part if every_on_cpu else ring
+    gpu = (fmt.always_bytes + c.gpu_layers * on_gpu(costs, c.weights) + ring_on_gpu + fmt.workspace_bytes
+           + hardware.gpu_context)
+    return host_tier + ring + RUNTIME_BYTES, gpu
+
+
+def batch_memory(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> tuple[float, float]:
+    """(host bytes, GPU bytes) c's batch takes: its K/V where it lives (zerolite.planner.kv_costs) and
+    one micro-batch's prefill activations, its attention scores over the prompt included (memory_model)."""
+    kv_host, kv_gpu = kv_memory(costs, hardware, c, job.prompt_tokens + job.new_tokens)
+    micro = -(-c.batch_size // c.micro_batches)
+    activations = micro * prefill_activation_bytes(costs.shape, job.prompt_tokens, costs.dtype)
+    if hardware.gpu:
+        return kv_host, kv_gpu + activations
+    return kv_host + activations, 0.0
 
 
 def on_gpu(costs: ModelCosts, weights: str) -> int:

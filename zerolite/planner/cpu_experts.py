@@ -35,14 +35,15 @@ ROUND_TRIP_S = 50e-6           # per layer: a wait for the device, a pinned copy
 
 
 def with_cpu_experts(hardware: Hardware, costs: ModelCosts, dtype: torch.dtype) -> Hardware:
-    """hardware with its CPU's rates for a mixture's experts: those it has (given as flags) as they
-    are, the others this machine's CPU's (as recorded, else probed now). Left as it is for a dense
-    model or a machine without a GPU, where the experts compute where they live."""
-    if not (hardware.gpu and costs.experts) or (hardware.cpu_gbps and hardware.cpu_tflops):
+    """hardware with its CPU's rates for a mixture's experts, and for attention over the K/V in host
+    memory (zerolite.planner.kv_costs): those it has (given as flags) as they are, the others this
+    machine's CPU's (as recorded, else probed now). Left as it is for a machine without a GPU, where
+    both compute where they live."""
+    if not hardware.gpu or (hardware.cpu_gbps and hardware.cpu_tflops):
         return hardware
     gbps, tflops, source = this_cpu(dtype)
     return dataclasses.replace(hardware, cpu_gbps=hardware.cpu_gbps or gbps, cpu_tflops=hardware.cpu_tflops or tflops,
-                               sources={**hardware.sources, "cpu_experts": source})
+                               sources={**hardware.sources, "cpu": source})
 
 
 def this_cpu(dtype: torch.dtype) -> tuple[float, float, str]:

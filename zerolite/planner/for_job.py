@@ -6,9 +6,10 @@ default host budget become.
 
 The job's length decides the host tier: filling host memory takes time a short job does not win
 back, so a short job may stream every layer where a long one holds what fits. Whatever the user
-set is pinned. Of the choice, generate takes the batch, the host budget and (--experts auto) where a
-mixture's experts compute; the GPU's budget keeps its default (what is free), which holds at least
-the layers the search put there.
+set is pinned, and so are the K/V's bits and tiers and the micro-batches (their defaults where not
+set). Of the choice, generate takes the batch, the host budget, (--experts auto) where a mixture's
+experts compute and (--kv-attention auto) where attention over the K/V off the GPU runs; the GPU's
+budget keeps its default (what is free), which holds at least the layers the search put there.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ from zerolite.runtime.load_spec import LoadSpec
 def choose_for_job(spec: LoadSpec, prompts: int, prompt_tokens: int, new_tokens: int, batch_size: int | None,
                    device: str) -> Choice:
     """spec: what generate was asked to load (model, path, dtype, weights, and the policy's
-    cpu_memory, prefetch_depth, kv_offload, offload: what it sets is pinned); device: as --device takes it."""
+    cpu_memory, prefetch_depth, kv_offload, kv_bits, kv_disk, kv_attention, micro_batches, offload: what it
+    sets is pinned); device: as --device takes it."""
     source = ModelSource.resolve(spec.model, spec.dtype, spec.path)
     costs, hardware = model_and_machine(source, device)
     pins = Pins(weights=spec.weights or source.weights or "stored", batch_size=batch_size,
                 kv_offload=spec.kv_offload or 0.0, cpu_memory=spec.cpu_memory, prefetch_depth=spec.prefetch_depth,
                 offload=spec.offload, experts=None if spec.experts in (None, "auto") else spec.experts,
-                cpu_expert_layers=spec.cpu_expert_layers)
+                cpu_expert_layers=spec.cpu_expert_layers, kv_bits=spec.kv_bits or 16, kv_disk=spec.kv_disk or 0.0,
+                kv_attention=None if spec.kv_attention in (None, "auto") else spec.kv_attention,
+                micro_batches=spec.micro_batches or 1)
     with planner_part("weigh the plans"):
         return search(costs, hardware, Job(prompt_tokens, new_tokens, prompts), pins)
 

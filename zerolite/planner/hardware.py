@@ -32,6 +32,8 @@ from zerolite.progress import measuring, stderr
 BANDWIDTH_UNITS = {"gb/s": 1.0, "mb/s": 1e-3, "tb/s": 1e3, "gib/s": 2**30 / 1e9, "mib/s": 2**20 / 1e9}
 FLOPS_UNITS = {"tflops": 1.0, "tflop/s": 1.0, "gflops": 1e-3, "gflop/s": 1e-3, "pflops": 1e3, "pflop/s": 1e3}
 RUNTIME_BYTES = 1_500_000_000   # the process itself: torch, transformers, the engine's queues
+CUDA_CONTEXT_BYTES = 500_000_000  # a described GPU's memory that CUDA's context and torch's kernels take first (what a
+                                  # GPU measured here reports free is past it already)
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,20 @@ class Hardware:
     sources: dict[str, str] = field(default_factory=dict)
     cpu_gbps: float | None = None     # a GPU machine's CPU: weight bytes/s its expert matmuls stream at batch 1
     cpu_tflops: float | None = None   # ... and their FLOP/s at a large batch (zerolite.planner.cpu_experts)
+    gpu_gbps: float | None = None     # a described GPU's memory bandwidth: the floor of a small batch's matmuls, and
+                                      # the rate its dequantisation and attention's reads of the K/V run at
+    gpu_context: int = 0              # bytes of gpu_ram a run cannot have (a described GPU's CUDA context)
+    kv_codec: dict[int, dict[str, float]] | None = None  # probed: K/V at 8 and 4 bits (zerolite.planner.kv_probe)
 
-    def seconds(self, weights: str, elements: float, rows: float) -> float:
-        """Time to multiply rows rows by elements weights stored in the format weights."""
+    def seconds(self, weights: str, elements: float, rows: float, itemsize: int = 2) -> float:
+        """Time to multiply rows rows by elements weights stored in the format weights; a described GPU's
+        at its FLOPs, or where fewer rows leave it waiting on its memory, the weights (itemsize bytes
+        each, dequantised: zerolite.planner.cost prices that) read at its bandwidth."""
         if elements <= 0 or rows <= 0:
             return 0.0
         if self.compute is None:
-            return 2 * elements * rows / (self.gpu_tflops * 1e12)
+            floor = elements * itemsize / (self.gpu_gbps * 1e9) if self.gpu_gbps else 0.0
+            return max(2 * elements * rows / (self.gpu_tflops * 1e12), floor)
         return elements * at(self.compute[weights], rows)
 
     def flop_seconds(self, flops: float) -> float:
@@ -115,13 +124,15 @@ class Hardware:
             sources["compute"] = "recorded"
         if compute is not None:
             compute = {weights: {int(rows): s for rows, s in rates.items()} for weights, rates in compute.items()}
+        codec = kv_codec(target, dtype, key) if probe else None
         layer = step = None
         if probe and model is not None:  # (config, a layer's bytes): the model's own layer timed, if not too large
             probed = model_layer(*model, f"{key} | {config_digest(model[0])}", dtype, target)
             if probed is not None:
                 layer, step = ({int(rows): s for rows, s in probed[part].items()} for part in ("layer", "step"))
                 sources["layer"] = "probed: the model's own layer"
-        return cls(gpu, gpu_ram, host_ram, disk, fill or disk, h2d, None, compute, layer, step, sources)
+        return cls(gpu, gpu_ram, host_ram, disk, fill or disk, h2d, None, compute, layer, step, sources,
+                   kv_codec=codec)
 
     def with_flags(self, **given) -> Hardware:
         """This machine, any figure given as a flag taking the measured one's place."""
@@ -133,8 +144,23 @@ class Hardware:
             given["fill_gbps"] = given["disk_gbps"]
             sources["fill_gbps"] = "assumed: the disk's rate"
         if "gpu_tflops" in given:  # another GPU: its FLOPs, not this machine's probes
-            given.update(compute=None, layer_seconds=None, step_seconds=None)
+            given.update(compute=None, layer_seconds=None, step_seconds=None, kv_codec=None)
+        if "gpu_ram" in given:  # the card's memory, some of which CUDA takes before a run has any
+            given["gpu_context"] = CUDA_CONTEXT_BYTES
+            sources["gpu_ram"] = f"given, less {CUDA_CONTEXT_BYTES / 1e9:.1f} GB for CUDA's context"
         return replace(self, **given, sources=sources)
+
+
+def kv_codec(target, dtype: torch.dtype, key: str) -> dict[int, dict[str, float]]:
+    """The K/V codec's timings on target (zerolite.planner.kv_probe), as recorded under key or timed now."""
+    from zerolite.planner.kv_probe import probe_kv_codec
+
+    codec = measurements.value(key, "kv_codec")
+    if codec is None:
+        with planner_part("time this machine's K/V codec"), measuring("compute: K/V at 8 and 4 bits"):
+            codec = probe_kv_codec(target, dtype)
+        measurements.record(key, codec, "kv_codec")
+    return {int(bits): rates for bits, rates in codec.items()}
 
 
 def model_layer(config, layer_bytes: int, key: str, dtype: torch.dtype, target) -> dict | None:

@@ -21,6 +21,7 @@ from zerolite.hf import build_meta_model
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.blocks import module_path, partition, stored_tensors
 from zerolite.memory_model import (
+    KV_BITS,
     ModelShape,
     dense_weight_bytes,
     dequantize_workspace,
@@ -57,6 +58,7 @@ class ModelCosts:
     attention_width: int              # query heads x head width: attention's cost per position of context (0: none)
     kv_bytes_per_token: int           # K and V of the layers that attend, for one position of one sequence
     shape: ModelShape                 # the sizes the activations depend on
+    kv_bytes_at: dict[int, int]       # the same at each of --kv-bits (at 8 and 4, their scales included)
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, dtype: torch.dtype | None = None, name: str = "") -> ModelCosts:
@@ -104,7 +106,12 @@ class ModelCosts:
             experts=experts if expert_names else 0, experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
             head_weights=shape.vocab * shape.hidden, attention_width=shape.attention_width,
             kv_bytes_per_token=kv_bytes_per_token(config, dtype), shape=shape,
+            kv_bytes_at={bits: kv_bytes_per_token(config, dtype, bits) for bits in KV_BITS},
         )
+
+    def kv_bytes(self, bits: int) -> int:
+        """K/V one position of one sequence keeps over every layer, at bits."""
+        return self.kv_bytes_at[bits]
 
     def expected_experts(self, tokens: int) -> float:
         """Distinct experts a layer's router picks for tokens tokens, each picking experts_per_token

@@ -3,10 +3,11 @@
     choice = search(costs, hardware, job, Pins(weights="int4"))
     choice.best.tokens_per_s
 
-It tries the weight formats, batch sizes (powers of two, and the pinned one), K/V offload shares
-(on a GPU), prefetch depths, how many layers to keep on the GPU and in host memory (as many as
-fit, none, and steps between: holding layers costs fill time that a short job may not win back),
-and on a GPU how many of a mixture's layers have their experts computed on the CPU (experts_side).
+It tries the weight formats, batch sizes (powers of two, and the pinned one), the K/V's bits,
+prefetch depths, how many layers to keep on the GPU and in host memory (as many as fit, none, and
+steps between: holding layers costs fill time that a short job may not win back), for each the
+K/V's placement, where attention over it runs and the micro-batches a pass serves (kv_side), and
+on a GPU how many of a mixture's layers have their experts computed on the CPU (experts_side).
 Whatever is pinned (the flags generate takes) is held to. Throughput ranks candidates by the job's
 tokens per second, fill included; latency (batch 1) by the job's time.
 """
@@ -17,14 +18,16 @@ from dataclasses import dataclass, field
 
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import host_bytes
+from zerolite.memory_model import KV_BITS
 from zerolite.planner.cost import Candidate, Job, Prediction, on_gpu, predict
 from zerolite.planner.experts_side import experts_sides
 from zerolite.planner.hardware import Hardware
+from zerolite.planner.kv_side import Room, kv_sides, placements
 from zerolite.planner.model_costs import WEIGHT_FORMATS, ModelCosts
 
 BATCH_SIZES = tuple(2**k for k in range(11))   # 1 .. 1024
-KV_OFFLOADS = (0.0, 0.25, 0.5, 0.75, 1.0)
 PREFETCH_DEPTHS = (2, 3, 4, 6, 8, 12, 16)  # deep rings keep the disk reading while held layers compute
+KV_BITS_GAIN = 0.01   # the share of tokens/s (or of the job's time) K/V at fewer bits must gain to be chosen
 TIER_STEPS = 8                                  # host-tier sizes tried between none and all that fit
 
 
@@ -40,6 +43,10 @@ class Pins:
     offload: str | None = None        # "nvme", "cpu" or "none"
     experts: str | None = None        # a mixture's on a GPU: "device" (or "routed"), "cpu"; None or "auto": searched
     cpu_expert_layers: int | None = None  # with experts "cpu": how many layers (None: every streamed one)
+    kv_bits: int | None = None
+    kv_disk: float | None = None      # share of the layers' K/V on disk
+    kv_attention: str | None = None   # over K/V off a GPU: "device", "cpu"; None or "auto": searched
+    micro_batches: int | None = None
 
 
 @dataclass
@@ -56,30 +63,49 @@ def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(),
     batches = [pins.batch_size] if pins.batch_size else ([1] if latency else BATCH_SIZES)
     if job.prompts and not pins.batch_size:  # no batch beyond the job's prompts
         batches = sorted({min(b, job.prompts) for b in batches})
-    offloads = [pins.kv_offload] if pins.kv_offload is not None else (KV_OFFLOADS if hardware.gpu else [0.0])
+    bits = [pins.kv_bits] if pins.kv_bits else KV_BITS
     depths = [pins.prefetch_depth] if pins.prefetch_depth else PREFETCH_DEPTHS
-    every = []
+    room, every = Room(costs, hardware, job, placements(hardware, pins.kv_offload, pins.kv_disk)), []
+    nearest, nearest_lacking = None, None  # of the policies that do not fit, the one that lacks least
     for weights in formats:
         for batch in batches:
-            for kv_offload in offloads:
+            for kv_bits in bits:
                 for depth in depths:
                     for gpu_layers, host_layers in tiers(costs, hardware, weights, pins):
-                        candidate = Candidate(weights, batch, host_layers, gpu_layers, kv_offload, depth)
-                        every += experts_sides(costs, hardware, candidate, job, pins.experts, pins.cpu_expert_layers)
+                        base = Candidate(weights, batch, host_layers, gpu_layers, prefetch_depth=depth, kv_bits=kv_bits)
+                        fitting, least, lacking = kv_sides(costs, hardware, base, pins, room)
+                        if not fitting and (nearest_lacking is None or lacking < nearest_lacking):
+                            nearest, nearest_lacking = least, lacking
+                        for candidate in fitting:
+                            every += experts_sides(costs, hardware, candidate, job, pins.experts,
+                                                   pins.cpu_expert_layers)
     tried = [p for p in every if p.fits(hardware)]
     if not tried:
         raise ZeroliteError(cannot_fit(costs, hardware, job, formats) if pins == Pins()
-                            else pinned_too_big(every, hardware))
+                            else pinned_too_big(every + experts_sides(costs, hardware, nearest, job, pins.experts,
+                                                                      pins.cpu_expert_layers), hardware))
 
     def rank(p: Prediction):
         c = p.candidate
         tokens = (job.prompts or c.batch_size) * job.new_tokens
         speed = -p.job_s if latency else tokens / p.job_s
-        # Among equals, the fewest bytes held and the shallowest ring; and where the disk bounds a
-        # step whatever the experts do, the split that leaves the link and the compute most room.
-        return (round(speed, 6), -p.host_bytes - p.gpu_bytes, -c.prefetch_depth, -max(p.copy_s, p.compute_s))
+        # Among equals, the K/V at the most bits (the fewer lost), the fewest micro-batches, the fewest
+        # bytes held and the shallowest ring; and where the disk bounds a step whatever the experts
+        # do, the split that leaves the link and the compute most room.
+        return (round(speed, 6), c.kv_bits, -c.micro_batches, -p.host_bytes - p.gpu_bytes, -c.prefetch_depth,
+                -max(p.copy_s, p.compute_s))
 
-    return Choice(max(tried, key=rank), tried)
+    best = max(tried, key=rank)
+    # K/V at fewer bits loses some accuracy: it is chosen only where it gains more than KV_BITS_GAIN
+    for bits in sorted({p.candidate.kv_bits for p in tried}, reverse=True):
+        if bits <= best.candidate.kv_bits:
+            break
+        more = max((p for p in tried if p.candidate.kv_bits == bits), key=rank)
+        kept, chosen = rank(more)[0], rank(best)[0]  # tokens/s, or minus the job's seconds (latency)
+        if (kept >= chosen * (1 + KV_BITS_GAIN)) if latency else (kept * (1 + KV_BITS_GAIN) >= chosen):
+            best = more
+            break
+    return Choice(best, tried)
 
 
 def tiers(costs: ModelCosts, hardware: Hardware, weights: str, pins: Pins) -> list[tuple[int, int]]:
@@ -129,7 +155,8 @@ def cannot_fit(costs: ModelCosts, hardware: Hardware, job: Job, formats: list[st
     """What would have to change for the smallest policy (batch 1, every layer streamed, its K/V
     offloaded) to fit."""
     smallest = min(formats, key=lambda w: costs.formats[w].layer_bytes)
-    least = predict(costs, hardware, Candidate(smallest, 1, 0, 0, 1.0 if hardware.gpu else 0.0, 1), job)
+    least = predict(costs, hardware, Candidate(smallest, 1, 0, 0, 0.0, 1, kv_bits=min(KV_BITS),
+                                               kv_disk=1.0), job)
     where = []
     if hardware.gpu and least.gpu_bytes > hardware.gpu_ram:
         where.append(f"a GPU with {least.gpu_bytes / 1e9:.1f} GB free (it has {hardware.gpu_ram / 1e9:.1f} GB)")
