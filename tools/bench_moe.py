@@ -170,8 +170,8 @@ def run_one(layout: str, experts: str, batch_size: int, new_tokens: int, cpu_mem
             as large as the first layer's, less spared bytes of theirs given up unread)."""
             areas = [b.experts for b in blocks]
             size = next(area.extent(0)[1] for area in areas if area)
-            return dense + extra * size - spared + sum(area.extent(e)[1] for area, layer in zip(areas, step["routed"]) if area
-                                              for e in layer)
+            routed = sum(area.extent(e)[1] for area, layer in zip(areas, step["routed"]) if area for e in layer)
+            return dense + extra * size - spared + routed
 
         area = next((b.experts for b in blocks if b.experts), None)
         return {

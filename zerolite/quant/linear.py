@@ -88,7 +88,8 @@ class QuantizedLinear(nn.Module):
         # written to add little to them (a buffer is read from _buffers, not through nn.Module's
         # attribute lookup, and nothing is copied or converted that is already as needed).
         rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():  # the kernels read rows as they lie (mamba's projections are given a transposed input)
+        # the kernels read rows as they lie (mamba's projections are given a transposed input)
+        if not rows.is_contiguous():
             rows = rows.contiguous()
         y = F.linear(rows, self.dense) if self.dense is not None else self.multiply(rows)
         if self.bias is not None:
