@@ -22,6 +22,7 @@ from zerolite.memory_model import (
     kv_bytes_per_token,
     kv_bytes_per_token_by_layer,
     kv_decode_bytes_per_token,
+    kv_waiting_bytes,
     prefill_activation_bytes,
 )
 from zerolite.runtime.host_memory import host_room
@@ -57,7 +58,8 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     length = longest + max_new_tokens
     bits = lm.policy.kv_bits
     kv_offload = host_kv_share(config, lm.policy.kv_offload, dtype) if lm.policy.kv_offload else 0.0
-    kv = kv_bytes_per_token(config, dtype, bits) * length                # per sequence
+    # per sequence, with the keys of a group not yet full waiting at 8 bits (4-bit K/V)
+    kv = kv_bytes_per_token(config, dtype, bits) * length + kv_waiting_bytes(config, dtype, bits)
     # the prefill's, or the widest moment of a decode step reading quantized K/V (both on the device)
     activations = max(prefill_activation_bytes(ModelShape.of(config), longest, dtype),
                       kv_decode_bytes_per_token(config, dtype, bits) * length)
