@@ -274,7 +274,7 @@ class QuantizedStates:
         return self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
 
     def get_seq_length(self) -> int:
-        return self.packed_length() + self.recent_length
+        return super().get_seq_length() + self.recent_length  # a sliding window's: the tokens it has seen
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         (keys_codec, values_codec), dtype = self.codecs, key_states.dtype
