@@ -171,7 +171,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048, help="tokens of K/V each sequence holds before decoding")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--bits", default="16,8,4")
-    parser.add_argument("--rounds", type=int, default=2, help="streamed, in-RAM and read-pass measurements, in turn")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="streamed, in-RAM and read-pass measurements, in turn (0: the fit in the cgroup alone)")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/kv-bits"))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch's threads in each run (1: steady on a machine others share; OpenMP's spinning "
@@ -200,7 +201,7 @@ def main() -> None:
             cgroup.remove()
         row = {"kv_bits": bits, "kv_bytes_per_token": kv_bytes_per_token(config, torch.bfloat16, bits),
                "peak_bytes": peak, **fit}
-        if "error" not in fit:
+        if "error" not in fit and args.rounds:
             drop_page_cache()
             row["outside"] = run_child(args, layout, bits, "outside", fit["batch"], None)
         rows.append(row)
@@ -217,7 +218,7 @@ def main() -> None:
         if "error" in row:
             table.add_row(str(row["kv_bits"]), f"{row['kv_bytes_per_token']:,}", row["error"], *["-"] * 8)
             continue
-        outside = row["outside"]
+        outside = row.get("outside", {"error": "not run"})
         measured = "error" not in outside
         table.add_row(str(row["kv_bits"]), f"{row['kv_bytes_per_token']:,}", str(row["batch"]),
                       f"{row['batch'] / base['batch']:.2f}x" if base else "-", f"{row['peak_bytes'] / 1e9:.2f}",
