@@ -90,8 +90,10 @@ def perplexity_through_cache(model, ids: torch.Tensor, new_cache, chunk: int, pr
     """The same score, the text fed chunk tokens at a time through a K/V cache (new_cache() makes
     one per window), so that every prediction attends to the K/V of the tokens before it as the
     cache gives them back: quantized K/V (--kv-bits) is then read as decoding reads it. A cache that
-    quantizes each token alone (zerolite.quant.kv_codec) gives the same K/V whatever the chunk, so
-    this is token-by-token decoding's score, up to the rounding of the matmuls' shapes."""
+    quantizes each token alone (zerolite.quant.kv_codec at 8 bits) gives the same K/V whatever the
+    chunk; one that stores keys in groups of tokens (4 bits) does so for chunks that divide the group,
+    the windows starting on a group's first token. Then this is token-by-token decoding's score, up
+    to the rounding of the matmuls' shapes."""
     window = context_window(model.config) or len(ids)
     nll_sum = 0.0
     for begin, end, first in windows(len(ids), window, window // 2):

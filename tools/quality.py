@@ -25,8 +25,11 @@ base layout's dtype: the base figure should agree with it.
 --kv-bits), the text fed --kv-chunk tokens at a time through the cache (tools/perplexity.py's
 perplexity_through_cache), so that every prediction attends to the K/V of the tokens before it as
 the cache holds them: at 8 and 4 bits quantized when appended, dequantised when read, as decoding
-reads them. Each token's K/V is quantized alone, so the chunk changes nothing but the speed:
-this is token-by-token decoding's perplexity. Each is compared with the 16-bit cache's.
+reads them. Each value, and each key at 8 bits, is quantized alone; 4-bit keys are stored per
+channel in groups of zerolite.memory_model.KV_KEY_TOKENS tokens (128), waiting at 8 bits until their
+group fills, and a chunk reads the keys of the group it fills as they waited: with a chunk that
+divides the group (64 does), the chunks aligned with the groups, every prediction reads the K/V as
+token-by-token decoding does. This is decoding's perplexity. Each is compared with the 16-bit cache's.
 """
 
 from __future__ import annotations
@@ -206,7 +209,9 @@ def main() -> None:
     parser.add_argument("--kv-bits", type=parse_kv_bits, default=None,
                         help="score the base through its K/V cache at each of these bits too, a comma list "
                         "(16,8,4: the first is the baseline)")
-    parser.add_argument("--kv-chunk", type=int, default=64, help="tokens fed through the cache at a time")
+    parser.add_argument("--kv-chunk", type=int, default=64,
+                        help="tokens fed through the cache at a time (a divisor of the 4-bit keys' group of 128 "
+                        "tokens reads the K/V as decoding does)")
     args = parser.parse_args()
     quiet_transformers()
     console = Console(width=None if sys.stdout.isatty() else 160)  # the table stays whole in a log

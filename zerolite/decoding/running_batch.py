@@ -117,6 +117,10 @@ class RunningBatch:
                 if hasattr(mine, "wait_for_copies"):
                     mine.wait_for_copies()  # a host layer: its copies in flight land before its tensors change
                     theirs.wait_for_copies()
+                if getattr(mine, "group", 1) > 1:  # K/V stored a group of tokens at a time: joined as states
+                    mine.restore(*(torch.cat([widened(own, width), widened(joining, width).to(own.device)])
+                                   for own, joining in zip(mine.states(), theirs.states())))
+                    continue
                 mine.keys = torch.cat([widened(mine.keys, width), widened(theirs.keys, width).to(mine.keys.device)])
                 mine.values = torch.cat([widened(mine.values, width),
                                          widened(theirs.values, width).to(mine.values.device)])
@@ -206,7 +210,10 @@ class RunningBatch:
                     continue
                 if hasattr(layer, "wait_for_copies"):
                     layer.wait_for_copies()  # a host layer: its copies in flight land before its tensors change
-                layer.keys, layer.values = change(layer.keys), change(layer.values)
+                if hasattr(layer, "change_states"):
+                    layer.change_states(change)  # quantized K/V: their rows, or their states where stored in groups
+                else:
+                    layer.keys, layer.values = change(layer.keys), change(layer.values)
                 if hasattr(layer, "cumulative_length"):
                     layer.cumulative_length = layer.keys.shape[-2]  # a sliding window's own count of tokens seen
 

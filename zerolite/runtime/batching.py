@@ -24,6 +24,7 @@ from zerolite.memory_model import (
     kv_bytes_per_token,
     kv_bytes_per_token_by_layer,
     kv_decode_bytes_per_token,
+    kv_waiting_bytes,
     prefill_activation_bytes,
     prefill_carried_bytes,
 )
@@ -61,7 +62,8 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     bits = lm.policy.kv_bits
     kv_offload = host_kv_share(config, lm.policy.kv_offload, dtype) if lm.policy.kv_offload else 0.0
     kv_disk = disk_kv_share(config, lm.policy.kv_offload, lm.policy.kv_disk, dtype) if lm.policy.kv_disk else 0.0
-    kv = kv_bytes_per_token(config, dtype, bits) * length                # per sequence
+    # per sequence, with the keys of a group not yet full waiting at 8 bits (4-bit K/V)
+    kv = kv_bytes_per_token(config, dtype, bits) * length + kv_waiting_bytes(config, dtype, bits)
     # K/V on disk is in host memory a layer at a time, twice over: the layer read ahead, and the one attended
     disk_staging = 2 * max(kv_bytes_per_token_by_layer(config, dtype, bits), default=0) * length if kv_disk else 0
     # the prefill's, or the widest moment of a decode step reading quantized K/V (both on the device)

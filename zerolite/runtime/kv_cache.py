@@ -14,11 +14,13 @@ targets come from compute's memory): it still runs while the layer before comput
 code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
 
 With bits 8 or 4 (--kv-bits) every attention layer's K/V, on the device or in host memory, is kept
-as zerolite.quant.kv_codec packs it: each new token quantized as it is appended, the layer's
-whole K/V dequantised when its attention reads it. The host copies then move the packed bytes.
+as zerolite.quant.kv_codec packs it: quantized as it is appended (at 4 bits, a group of tokens at a
+time, the group being filled held at 16 bits where compute runs), the layer's whole K/V dequantised
+when its attention reads it. The host copies then move the packed bytes.
 
 A further share of the layers (--kv-disk) keeps its K/V in files under the offload root
-(zerolite.runtime.kv_disk), read one layer ahead as the host layers are fetched.
+(zerolite.runtime.kv_disk), read one layer ahead as the host layers are fetched; at 4 bits their keys
+are packed token by token, as they are written.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from zerolite.io.device import Device
-from zerolite.quant.kv_codec import KVCodec
+from zerolite.quant.kv_codec import KeyGroupCodec, KVCodec, kv_codecs
 from zerolite.runtime.kv_disk import DiskLayer, KVDisk
 from zerolite.runtime.plan import spread
 
@@ -145,6 +147,10 @@ class HostLayer(DynamicLayer):
         ready = self._fetch_done = self.host.record(self.fetches)
         self._fetched = (keys, values, ready)
 
+    def stored_tokens(self, new: int) -> int:
+        """How many tokens an update that brings new tokens appends to the host buffers."""
+        return new
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -247,19 +253,129 @@ class HostLayer(DynamicLayer):
 
 
 class QuantizedStates:
-    """Put before a cache layer class: the layer keeps the K/V it is given packed at codec's bits
-    (each token's head a row of uint8, its scales beside its codes), and hands attention the whole
-    K/V decoded back into the states' dtype. The class after it stores, crops, selects and copies
-    the packed rows as it would the states: it never sees anything else."""
+    """Put before a cache layer class: the layer keeps the K/V it is given packed by codecs (keys',
+    values'; each token's head a row of uint8, its scales beside its codes), and hands attention the
+    whole K/V decoded back into the states' dtype. The class after it stores, crops, selects and
+    copies the packed rows as it would the states: it never sees anything else.
 
-    def __init__(self, *args, codec: KVCodec, **kwargs):
+    Where the keys' codec packs a group of tokens at a time (4 bits), the tokens of the group not yet
+    full wait in self.recent (their keys at the codec's waiting bits, their values packed), where
+    compute runs, and are stored together when it fills. Attention reads the stored keys decoded, then
+    the waiting ones, this update's and those of a group it fills included: as decoding one token at
+    a time reads them, so that a text fed a group at a time, aligned with the groups, reads the same
+    K/V as decoding it does. What changes the tokens' columns (a running batch's rows joining,
+    leaving, their holes moved) goes through change_states: decoded, changed, packed anew."""
+
+    def __init__(self, *args, codecs: tuple[KVCodec | KeyGroupCodec, KVCodec], **kwargs):
         super().__init__(*args, **kwargs)
-        self.codec = codec
+        self.codecs = codecs
+        self.recent = None  # (keys, values) packed rows [batch, heads, < group, bytes] of the group not yet full
+
+    @property
+    def group(self) -> int:
+        """The tokens packed together: 1 where every token is stored as it comes."""
+        return self.codecs[0].tokens
+
+    def stored_tokens(self, new: int) -> int:
+        return (self.recent_length + new) // self.group * self.group
+
+    @property
+    def recent_length(self) -> int:
+        return 0 if self.recent is None else self.recent[0].shape[-2]
+
+    def packed_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
+
+    def get_seq_length(self) -> int:
+        return super().get_seq_length() + self.recent_length  # a sliding window's: the tokens it has seen
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = super().update(self.codec.encode(key_states), self.codec.encode(value_states), *args, **kwargs)
-        return (self.codec.decode(keys, key_states.dtype, key_states.shape[-1]),
-                self.codec.decode(values, value_states.dtype, value_states.shape[-1]))
+        (keys_codec, values_codec), dtype = self.codecs, key_states.dtype
+        widths = (key_states.shape[-1], value_states.shape[-1])
+        self.decoded_as = (dtype, *widths)  # what the packed rows decode to (change_states and crop decode them)
+        if self.group == 1:
+            keys, values = super().update(keys_codec.encode(key_states), values_codec.encode(value_states),
+                                          *args, **kwargs)
+            return keys_codec.decode(keys, dtype, widths[0]), values_codec.decode(values, dtype, widths[1])
+        waiting, new_values = keys_codec.waiting.encode(key_states), values_codec.encode(value_states)
+        if self.recent is not None:
+            waiting = torch.cat([self.recent[0], waiting], dim=-2)
+            new_values = torch.cat([self.recent[1], new_values], dim=-2)
+        waiting_keys = keys_codec.waiting.decode(waiting, dtype, widths[0])
+        full, stored = waiting.shape[-2] // self.group * self.group, self.packed_length()
+        keys, values = super().update(keys_codec.encode(waiting_keys[..., :full, :]), new_values[..., :full, :],
+                                      *args, **kwargs)
+        # cloned where a group was stored: a view would keep the whole of what was concatenated
+        self.recent = tuple(rows[..., full:, :].clone() if full else rows for rows in (waiting, new_values))
+        return (keys_codec.decode(keys[..., :stored, :], dtype, widths[0], then=waiting_keys),
+                values_codec.decode(torch.cat([values[..., :stored, :], new_values], dim=-2), dtype, widths[1]))
+
+    def states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole keys and values [batch, heads, tokens, width] decoded where compute runs
+        (once it has been updated)."""
+        (keys_codec, values_codec), (dtype, key_width, value_width) = self.codecs, self.decoded_as
+        if self.group == 1:
+            return keys_codec.decode(self.keys, dtype, key_width), values_codec.decode(self.values, dtype, value_width)
+        device = self.recent[0].device
+        keys = keys_codec.decode(self.keys.to(device), dtype, key_width,
+                                 then=keys_codec.waiting.decode(self.recent[0], dtype, key_width))
+        values = values_codec.decode(torch.cat([self.values.to(device), self.recent[1]], dim=-2), dtype, value_width)
+        return keys, values
+
+    def change_states(self, change) -> None:
+        """Applies change to the keys and values ([batch, heads, columns, width] -> the same, the
+        columns changed). Token by token, to the packed rows; in groups of tokens, to the states
+        decoded, which are then packed anew from the first column: the keys of groups whose columns
+        moved are quantized again, one more rounding."""
+        if self.group == 1:
+            self.keys, self.values = change(self.keys), change(self.values)
+            return
+        self.restore(*(change(states) for states in self.states()))
+
+    def restore(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Holds keys and values ([batch, heads, tokens, width] states) anew: whole groups stored, the
+        rest waiting."""
+        (keys_codec, values_codec), device = self.codecs, self.keys.device
+        full = keys.shape[-2] // self.group * self.group
+        self.keys = keys_codec.encode(keys[..., :full, :]).to(device)
+        self.values = values_codec.encode(values[..., :full, :]).to(device)
+        self.recent = (keys_codec.waiting.encode(keys[..., full:, :]), values_codec.encode(values[..., full:, :]))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last tokens; a group cut into is decoded, its keys that stay waiting again."""
+        if self.group == 1 or tokens_to_remove >= 0 or not self.is_initialized:
+            super().crop(tokens_to_remove)
+            return
+        keep, packed = self.get_seq_length() + tokens_to_remove, self.packed_length()
+        if keep >= packed:
+            self.recent = tuple(rows[..., :keep - packed, :] for rows in self.recent)
+            return
+        start, device, keys_codec = keep // self.group * self.group, self.recent[0].device, self.codecs[0]
+        dtype, key_width, _ = self.decoded_as
+        cut = keys_codec.decode(self.keys[..., start:start + self.group, :].to(device), dtype, key_width)
+        self.recent = (keys_codec.waiting.encode(cut[..., :keep - start, :]),
+                       self.values[..., start:keep, :].to(device).clone())  # not a view of rows the crop frees
+        super().crop(start - packed)
+
+    def reset(self) -> None:
+        self.recent = None
+        super().reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._recent_rows(lambda states: states.index_select(0, beam_idx.to(states.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._recent_rows(lambda states: states.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._recent_rows(lambda states: states[indices.to(states.device), ...])
+
+    def _recent_rows(self, change) -> None:
+        if self.recent is not None:
+            self.recent = (change(self.recent[0]), change(self.recent[1]))
 
 
 class QuantizedDeviceLayer(QuantizedStates, DynamicLayer):
@@ -295,20 +411,22 @@ class PartialOffloadCache(DynamicCache):
         if device.separate_memory and streams is None:
             streams = (device.new_stream(), device.new_stream())
         pool = pool or HostBufferPool(device)
-        codec = KVCodec(bits) if bits < 16 else None
+        codecs = kv_codecs(bits) if bits < 16 else None
         on_host = set(host_layers(self.layers, fraction))
         on_disk = set(disk_layers(self.layers, fraction, disk_fraction))
         for i, layer in enumerate(self.layers):
             if i in on_disk:
-                self.layers[i] = (DiskLayer(disk, tokens) if codec is None
-                                  else QuantizedDiskLayer(disk, tokens, codec=codec))
+                # a file's rows are written as they come: keys grouped over tokens would be rewritten per group
+                self.layers[i] = (DiskLayer(disk, tokens) if codecs is None
+                                  else QuantizedDiskLayer(disk, tokens, codecs=kv_codecs(bits, by_token=True)))
             elif i in on_host:
-                self.layers[i] = (HostLayer(device, streams, pool, tokens) if codec is None
-                                  else QuantizedHostLayer(device, streams, pool, tokens, codec=codec))
-            elif codec is not None and type(layer) is DynamicLayer:
-                self.layers[i] = QuantizedDeviceLayer(codec=codec)
-            elif codec is not None and type(layer) is DynamicSlidingWindowLayer:
-                self.layers[i] = QuantizedWindowLayer(layer.sliding_window, codec=codec)
+                self.layers[i] = (HostLayer(device, streams, pool, tokens) if codecs is None
+                                  else QuantizedHostLayer(device, streams, pool, tokens, codecs=codecs))
+            elif codecs is not None and type(layer) is DynamicLayer:
+                self.layers[i] = QuantizedDeviceLayer(codecs=codecs)
+            elif codecs is not None and type(layer) is DynamicSlidingWindowLayer:
+                # its oldest tokens leave one at a time: a group of keys would be split
+                self.layers[i] = QuantizedWindowLayer(layer.sliding_window, codecs=kv_codecs(bits, by_token=True))
 
     def wait_for_copies(self) -> None:
         """Waits for the appends and fetches still in flight: before the host buffers are freed
@@ -336,8 +454,10 @@ class PartialOffloadCache(DynamicCache):
         # One layer ahead, its copy running while this layer's attention does. Not past the last
         # layer: a fetch for a step that may never come would outlive generate.
         following = self.layers[layer_idx + 1] if layer_idx + 1 < len(self.layers) else None
-        if isinstance(following, (HostLayer, DiskLayer)):
-            following.prefetch(key_states.shape[-2])  # the same new tokens reach it
+        if isinstance(following, HostLayer):
+            following.prefetch(following.stored_tokens(key_states.shape[-2]))  # the same new tokens reach it
+        elif isinstance(following, DiskLayer):
+            following.prefetch()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
