@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import zerolite
 from support.helpers import greedy, new_tokens_alone
@@ -20,18 +20,25 @@ from test_running_batch import prompts, staggered
 from zerolite.cli.plan_summary import summarize
 from zerolite.hf import build_meta_model
 from zerolite.io.device import resolve
+from zerolite.quant.kv_codec import kv_codecs
 from zerolite.runtime.host_attention import HostAttendedLayer, host_attending_caches, unfit
-from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache
+from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, QuantizedDeviceLayer, host_layers
 
 ROWS = [[5, 17, 33, 9, 44, 61, 70], [12, 90]]  # one batch: the short prompt left-padded
 NEW_TOKENS = 5
 LAYERS = 4
 
 
-def reference(source, bits: int = 16):
-    """transformers' greedy generation in RAM (at bits < 16 with zerolite's quantized cache passed in)."""
+def reference(source, bits: int = 16, kv_offload: float = 0.0):
+    """transformers' greedy generation in RAM (at bits < 16 with zerolite's quantized cache passed in,
+    the kv_offload share attended on the host packing its keys token by token, as HostAttendedLayer does)."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    more = {"cache": PartialOffloadCache(model.config, 0.0, resolve("cpu"), bits=bits)} if bits < 16 else {}
+    more = {}
+    if bits < 16:
+        cache = PartialOffloadCache(model.config, 0.0, resolve("cpu"), bits=bits)
+        for i in host_layers(DynamicCache(config=model.config).layers, kv_offload):
+            cache.layers[i] = QuantizedDeviceLayer(codecs=kv_codecs(bits, by_token=True))
+        more = {"cache": cache}
     return greedy(model, ROWS, NEW_TOKENS, logits=True, **more)
 
 
@@ -135,7 +142,7 @@ def test_without_the_hosts_wait_for_the_appends_it_attends_over_stale_kv(make_so
 def test_quantized_kv_is_decoded_and_attended_on_the_host(bits, make_source, make_layout):
     """--kv-bits with the host's attention: the packed rows go to the host as appended and are
     decoded there; the tokens are transformers' with the same quantized cache."""
-    expected = reference(make_source("llama", layers=LAYERS), bits)
+    expected = reference(make_source("llama", layers=LAYERS), bits, kv_offload=0.5)
     sim = SimulatedDevice(seed=2, max_delay_s=5e-4)
     with sim.watching(), zerolite.load(make_layout("llama", layers=LAYERS), device=sim, offload="nvme", cpu_memory=0,
                                        gpu_memory=0, kv_offload=0.5, kv_bits=bits, kv_attention="cpu",

@@ -20,8 +20,9 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.device import resolve
 from zerolite.io.engine import IoEngine
 from zerolite.layout.folder import Layout
+from zerolite.quant.kv_codec import kv_codecs
 from zerolite.runtime import batching
-from zerolite.runtime.kv_cache import PartialOffloadCache, QuantizedDiskLayer
+from zerolite.runtime.kv_cache import PartialOffloadCache, QuantizedDeviceLayer, QuantizedDiskLayer, disk_layers
 from zerolite.runtime.kv_disk import FOLDER_PREFIX, DiskLayer, KVDisk
 from zerolite.runtime.policy import Policy
 
@@ -29,13 +30,19 @@ ROWS = [[5, 17, 33, 9, 44, 61, 70], [12, 90]]  # one batch: the short prompt lef
 NEW_TOKENS = 5
 
 
-def reference(source, bits: int, device: str):
-    """transformers' greedy generation in RAM (with zerolite's quantized cache where bits < 16)."""
+def reference(source, bits: int, device: str, kv_offload: float = 0.0, kv_disk: float = 0.0):
+    """transformers' greedy generation in RAM (with zerolite's quantized cache where bits < 16, the
+    layers kv_disk puts on disk packing their keys token by token, as a file's rows are written)."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()  # aligned, as zerolite's slots are (test_executor)
-    more = {"cache": PartialOffloadCache(model.config, 0.0, resolve(device), bits=bits)} if bits < 16 else {}
+    more = {}
+    if bits < 16:
+        cache = PartialOffloadCache(model.config, 0.0, resolve(device), bits=bits)
+        for i in disk_layers(DynamicCache(config=model.config).layers, kv_offload, kv_disk):
+            cache.layers[i] = QuantizedDeviceLayer(codecs=kv_codecs(bits, by_token=True))
+        more = {"cache": cache}
     return greedy(model, ROWS, NEW_TOKENS, logits=True, device=device, **more)
 
 
@@ -53,7 +60,7 @@ def check_generation(source, layout, bits: int, device, **tiers) -> None:
     """Equal to transformers; the K/V files read (every step's prefix), written in whole pages,
     and gone: each job's at its end, the folder when the model closes."""
     runs_on = device if isinstance(device, str) else "cpu"  # the simulated device computes on the CPU
-    expected = reference(source, bits, runs_on)
+    expected = reference(source, bits, runs_on, tiers.get("kv_offload", 0.0), tiers.get("kv_disk", 0.0))
     with zerolite.load(layout, device=device, offload="nvme", cpu_memory=0, kv_bits=bits, show_progress=False,
                        **tiers) as lm:
         disk = lm.parts.caches.disk
