@@ -17,6 +17,7 @@ from zerolite.planner import measurements
 from zerolite.planner.cost import Candidate, Job, predict
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.model_costs import ModelCosts
+from zerolite.planner.model_source import ModelSource
 from zerolite.planner.search import Pins, search
 
 FIELDS = {"batch_size", "weights", "kv_offload", "decode_step_s", "prefill_s", "tokens_per_s", "bottleneck"}
@@ -230,3 +231,12 @@ def test_a_part_of_the_planner_that_fails_is_one_line_for_plan_and_none_for_gene
     assert generated.code == 0 and "Traceback" not in generated.stderr, generated.stderr
     none = [line for line in generated.stderr.splitlines() if line.startswith("plan: none for this job")]
     assert len(none) == 1 and f"(the planner could not {part}" in none[0], generated.stderr
+
+
+def test_generate_with_only_a_layout_as_path_plans_that_layout(make_layout):
+    """`generate --path LAYOUT` with no --model runs that layout: its plan is of that model, not the
+    built-in one (whose GGUF it would convert first)."""
+    layout = make_layout("gpt2")
+    source = ModelSource.resolve(None, None, layout)
+    assert source.name == str(layout) and source.config.model_type == "gpt2"
+    assert source.disk_target == Layout.open(layout).read_paths[0]

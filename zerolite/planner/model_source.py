@@ -30,12 +30,14 @@ class ModelSource:
 
     @classmethod
     def resolve(cls, model: str | None, dtype: str | None, path: Path | None) -> ModelSource:
-        source = Path(model).expanduser() if model is not None else builtin_gguf()
+        # no model, and a layout as the path: the job runs that layout, as the loader does (not the built-in model)
+        given_layout = model is None and path is not None and (Path(path) / MANIFEST).is_file()
+        source = Path(path) if given_layout else Path(model).expanduser() if model is not None else builtin_gguf()
         if (source / MANIFEST).is_file():
             layout = Layout.open(source)
             weights = (layout.manifest.quantization or {}).get("weights", "stored")
             return cls(str(source), AutoConfig.from_pretrained(layout.side_folder), DTYPES[layout.manifest.dtype],
-                       weights, nearest_existing(path) if path else layout.read_paths[0])
+                       weights, nearest_existing(path) if path and not given_layout else layout.read_paths[0])
         folder = resolve_model_folder(source if model is None else model)
         try:
             config = AutoConfig.from_pretrained(folder)
