@@ -99,10 +99,21 @@ def test_moe_generation_streamed_per_expert_equals_transformers(tiny, setup, dep
     check_equal(tiny, SETUPS[setup], depth, "cpu")
 
 
+def on_a_gpu() -> list:
+    """Mixtral from disk and from host memory at every depth; each later family (a layout, not a
+    schedule: see depths) at depth 2 from one of the two, taking turns, so that both see fused,
+    transposed and shared-expert layouts."""
+    setups = ("nvme", "cpu")
+    cases = [pytest.param(setup, "mixtral", depth, id=f"{setup}-mixtral-{depth}") for setup in setups
+             for depth in (1, 2, 4)]
+    later = [arch for arch in MOE_SHAPES if arch != "mixtral"]
+    return cases + [pytest.param(setups[i % 2], arch, 2, id=f"{setups[i % 2]}-{arch}-2")
+                    for i, arch in enumerate(later)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("tiny, depth", depths(("mixtral",)), indirect=["tiny"])
-@pytest.mark.parametrize("setup", ["nvme", "cpu"])
-def test_moe_generation_on_a_gpu_copies_only_routed_experts_and_equals_transformers(tiny, setup, depth, gpu):
+@pytest.mark.parametrize("setup, tiny, depth", on_a_gpu(), indirect=["tiny"])
+def test_moe_generation_on_a_gpu_copies_only_routed_experts_and_equals_transformers(setup, tiny, depth, gpu):
     """From host memory too: a GPU copies the dense part and the routed experts only, every layer
     through the ring (no GPU memory for resident layers), each expert copied into its own byte range
     of the slot, which the simulated device's ledger checks range by range."""
