@@ -25,10 +25,12 @@ demo: $(STAMP)
 	$(BIN)/zerolite generate "$(PROMPT)" --offload nvme --gpu-memory 0 --cpu-memory 0 --max-new-tokens 24
 
 # A worker per core: most tests keep one core busy at a time (Python, a fresh interpreter's imports), so two
-# workers on two cores take about two thirds of the time; tests that judge timings run alone
-# (tests/conftest.py). A plain `pytest` runs them one after another.
+# workers on two cores take about two thirds of the time. The tests that judge timings (marked alone) run
+# after them, one after another: among the workers each waited for the other's test to end (up to 40 s of a
+# worker idle), which tests/conftest.py's lock still does for a `pytest -n` of them all.
 test: $(STAMP)
-	$(BIN)/pytest -n auto --dist worksteal
+	$(BIN)/pytest -n auto --dist worksteal -m "not alone"
+	$(BIN)/pytest -m alone
 
 # ruff's checks as pyproject.toml sets them (lines within 120, import order, pyflakes, bugbear); .ci/run runs it.
 lint: $(STAMP)

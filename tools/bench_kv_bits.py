@@ -151,6 +151,12 @@ def run_child(args, layout: Path, bits: int, where: str, batch: int, cgroup: Mem
     command = [sys.executable, __file__, "--child", "--layout", str(layout), "--kv-bits", str(bits), "--where", where,
                "--batch", str(batch), "--context", str(args.context), "--new-tokens", str(args.new_tokens),
                "--rounds", str(args.rounds)]
+    return child_result(command, args, cgroup)
+
+
+def child_result(command: list[str], args, cgroup: MemoryCgroup | None) -> dict:
+    """Runs a child's command (in cgroup, where given) and returns the JSON its last line printed,
+    or {"error": what stopped it}."""
     if cgroup is not None:
         command = cgroup.wrap(command)
     # A fixed mmap threshold: glibc's own grows to 32 MB as large blocks are freed, after which the

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
@@ -49,7 +48,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import zerolite
 from bench_cgroup import MemoryCgroup, parse_limit
-from bench_kv_bits import MODEL_CONFIG, make_layout
+from bench_kv_bits import MODEL_CONFIG, child_result, make_layout
 from zerolite.io.engine import IoEngine, align_up, aligned_empty
 from zerolite.layout.folder import Layout
 from zerolite.layout.store import DiskStore
@@ -93,17 +92,7 @@ def run_child(args, layout: Path, where: str, cgroup: MemoryCgroup | None) -> di
     command = [sys.executable, __file__, "--child", "--layout", str(layout), "--where", where,
                "--kv-bits", str(args.kv_bits), "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens)]
-    if cgroup is not None:
-        command = cgroup.wrap(command)
-    # as tools/bench_kv_bits: a fixed mmap threshold, so that freed K/V does not stay in the heap's holes
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        killed = cgroup.oom_kills() if cgroup is not None else 0
-        return {"error": "OOM-killed" if killed or done.returncode == -9 else
-                (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]}
-    return json.loads(lines[-1])
+    return child_result(command, args, cgroup)
 
 
 def write_kv_files(folder: Path, layers: int, nbytes: int) -> list[Path]:
