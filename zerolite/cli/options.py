@@ -53,8 +53,9 @@ KvDisk = Annotated[float, typer.Option(
     "under the offload root (--offload nvme, or --path), read one layer ahead, so the batch can grow past host "
     "memory too.")]
 KvBits = Annotated[int, typer.Option(
-    "--kv-bits", help="Bits of the K/V cache, in every tier: 16 (the model's dtype), or 8 / 4, each token's keys and "
-    "values quantized in groups with their scales as they are added, so about 2x / 3.5x the sequences fit.")]
+    "--kv-bits", help="Bits of the K/V cache, in every tier: 16 (the model's dtype), or 8 / 4, quantized in groups "
+    "with their scales as they are added (4-bit keys per channel over 128 tokens, the rest token by token), so "
+    "about 2x / 3.5x the sequences fit.")]
 KvAttention = Annotated[str, typer.Option(
     "--kv-attention", help="Where attention over the K/V in host memory (--kv-offload) runs: device copies those "
     "layers' K/V to the GPU each step; cpu computes it on the CPU, where the K/V lives, only the query and the "
