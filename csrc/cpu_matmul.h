@@ -15,8 +15,9 @@ namespace zerolite {
 // quantizes the rows of x to int8 in blocks of 32 columns, as llama.cpp does, and multiplies
 // integers: four times the weights a cycle, at the cost of the activations' rounding.
 // avx512bf16 adds the bf16 kernel's dot products of bf16 pairs (int4 and int8 take avx512vnni
-// there). amx adds AMX's int8 tiles to int4 (rounded as avx512vnni rounds; int8 and bf16 take
-// avx512bf16 there): listed only where the CPU has amx_int8 and Linux granted this process the
+// there). amx adds AMX's bf16 tiles to int4 from 8 rows of x on (the weights dequantised to bf16,
+// x rounded to bf16, fp32 sums; fewer rows as at avx512vnni; int8 and bf16 take avx512bf16
+// there): listed only where the CPU has amx_int8 and amx_bf16 and Linux granted this process the
 // tile state. The others compute in fp32 exactly as the weights dequantise.
 enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3, avx512bf16 = 4, amx = 5 };
 
@@ -90,7 +91,7 @@ void bf16_matmul(const Bf16Weight& weight, const Bf16Rows& rows, CpuPath path, i
 #define ZEROLITE_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,avx2,fma")))
 #define ZEROLITE_AMX \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,amx-tile,amx-int8")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,avx2,fma,amx-tile,amx-int8,amx-bf16")))
 
 namespace zerolite {
 

@@ -19,8 +19,9 @@ bool amx_granted() {
   static const bool granted = [] {
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    constexpr unsigned AMX_TILE = 1u << 24, AMX_INT8 = 1u << 25;  // CPUID.(7, 0):EDX
-    if ((edx & (AMX_TILE | AMX_INT8)) != (AMX_TILE | AMX_INT8)) return false;
+    constexpr unsigned AMX_BF16 = 1u << 22, AMX_TILE = 1u << 24, AMX_INT8 = 1u << 25;  // CPUID.(7, 0):EDX
+    constexpr unsigned AMX = AMX_BF16 | AMX_TILE | AMX_INT8;
+    if ((edx & AMX) != AMX) return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();

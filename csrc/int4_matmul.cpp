@@ -10,6 +10,7 @@
 
 #include "bf16_bits.h"
 #include "cpu_matmul.h"
+#include "int4_amx.h"
 #include "int4_blocks.h"
 #include "work_pool.h"
 #include "x_blocks.h"
@@ -379,154 +380,10 @@ void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const XBlock
   }
 }
 
-// amx: the vnni tile's integers, multiplied by AMX's tiles: a 64-row "halves" block's weights
-// for 32 columns (one block of x) unpacked once (the nibbles less 8, as signed bytes, four columns
-// to a 32-bit lane: the layout tdpbssd takes) and multiplied into 16 rows of x at a time. A tile's
-// products are for one block of x (its step) and one group (its scales): they leave the tiles
-// every 32 columns, to fp32 sums in memory, which costs about what the products do: below
-// AMX_MIN_ROWS rows of x, where the tiles would be mostly padding, the vnni tile is faster. x's
-// rows are padded to 16 with zeros (amx_x_blocks); only the real ones are summed.
-// Other blocks take the fp32 tile.
-constexpr int AMX_ROWS = 16;        // rows of x a tile holds
-constexpr int64_t AMX_MIN_ROWS = 8; // measured: 0.8x the vnni tile's speed at 4 rows, 1.3x at 16, 1.5x at 64
-constexpr int64_t AMX_CHUNK = 64;   // rows of x whose sums a task keeps at once
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tile 0: 16 rows of x, a block's 32 bytes; tiles 1, 2: 16 outputs' weights for those 32 columns,
-// 8 rows of 16 four-byte lanes; tiles 4 to 7: the int32 products, 16 rows by 16 outputs.
-ZEROLITE_AMX void configure_tiles() {
-  TileConfig config;
-  config.bytes_per_row[0] = X_BLOCK;
-  config.rows[0] = AMX_ROWS;
-  for (int t : {1, 2}) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = X_BLOCK / 4;
-  }
-  for (int t = 4; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = AMX_ROWS;
-  }
-  _tile_loadconfig(&config);
-}
-
-ZEROLITE_AMX void chunk_amx(const Int4Weight& w, const Block& b, const XBlocks& xq, int64_t m0, int64_t count,
-                            const Rows& r) {
-  const __m512i low_nibble = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
-  alignas(64) int8_t order[64];
-  for (int j = 0; j < 16; ++j) {
-    order[4 * j] = static_cast<int8_t>(j);
-    order[4 * j + 1] = static_cast<int8_t>(32 + j);
-    order[4 * j + 2] = static_cast<int8_t>(64 + j);
-    order[4 * j + 3] = static_cast<int8_t>(96 + j);
-  }
-  const __m512i first = _mm512_load_si512(order), second = _mm512_add_epi8(first, _mm512_set1_epi8(16));
-  const int64_t blocks_per_row = xq.blocks, blocks_per_group = w.group_size / X_BLOCK;
-  const int64_t tiles = (count + AMX_ROWS - 1) / AMX_ROWS;
-  alignas(64) float sum[AMX_CHUNK][64] = {};
-  alignas(64) int8_t weights[4][X_BLOCK / 4][64];  // 16 outputs each: rows 0-15, 16-31 (low nibbles), 32-47, 48-63
-  alignas(64) int32_t dots[4][AMX_ROWS][16];
-  for (int64_t g = 0; g < w.stored_in / w.group_size; ++g) {
-    const int64_t k0 = g * w.group_size;
-    if (k0 >= w.in_features) break;
-    __m512 scale[4], zero[4];
-    const int32_t* words = static_cast<const int32_t*>(w.scale_zero) + g * w.out_features + b.row0;
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      if (w.bf16_scales) {
-        __m512i pair = _mm512_loadu_si512(words + 16 * i);
-        scale[i] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-        zero[i] = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
-      } else {
-        const float* floats = static_cast<const float*>(w.scale_zero) + (g * w.out_features + b.row0 + 16 * i) * 2;
-        __m512i index = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-        scale[i] = _mm512_i32gather_ps(index, floats, 4);
-        zero[i] = _mm512_i32gather_ps(index, floats + 1, 4);
-      }
-    }
-    const int64_t group_end = std::min<int64_t>(k0 + w.group_size, w.in_features);
-    for (int64_t x0 = k0; x0 < group_end; x0 += X_BLOCK) {
-#pragma GCC unroll 8
-      for (int k = 0; k < X_BLOCK; k += 4) {
-        const uint8_t* columns = b.base + (x0 + k) * 32;
-        __m512i a = _mm512_loadu_si512(columns), c = _mm512_loadu_si512(columns + 64);
-        __m512i a_low = _mm512_sub_epi8(_mm512_and_si512(a, low_nibble), eight);
-        __m512i c_low = _mm512_sub_epi8(_mm512_and_si512(c, low_nibble), eight);
-        __m512i a_high = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(a, 4), low_nibble), eight);
-        __m512i c_high = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(c, 4), low_nibble), eight);
-        _mm512_store_si512(weights[0][k / 4], _mm512_permutex2var_epi8(a_low, first, c_low));
-        _mm512_store_si512(weights[1][k / 4], _mm512_permutex2var_epi8(a_low, second, c_low));
-        _mm512_store_si512(weights[2][k / 4], _mm512_permutex2var_epi8(a_high, first, c_high));
-        _mm512_store_si512(weights[3][k / 4], _mm512_permutex2var_epi8(a_high, second, c_high));
-      }
-      for (int64_t t = 0; t < tiles; ++t) {
-        _tile_loadd(0, xq.q.data() + (m0 + t * AMX_ROWS) * xq.padded + x0, xq.padded);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        _tile_loadd(1, weights[0], 64);
-        _tile_dpbssd(4, 0, 1);
-        _tile_loadd(2, weights[1], 64);
-        _tile_dpbssd(5, 0, 2);
-        _tile_loadd(1, weights[2], 64);
-        _tile_dpbssd(6, 0, 1);
-        _tile_loadd(2, weights[3], 64);
-        _tile_dpbssd(7, 0, 2);
-        _tile_stored(4, dots[0], 64);
-        _tile_stored(5, dots[1], 64);
-        _tile_stored(6, dots[2], 64);
-        _tile_stored(7, dots[3], 64);
-        const int64_t rows = std::min<int64_t>(AMX_ROWS, count - t * AMX_ROWS);
-        for (int64_t row = 0; row < rows; ++row) {
-          const int64_t m = t * AMX_ROWS + row;
-          const __m512 step = _mm512_set1_ps(xq.step[(m0 + m) * blocks_per_row + x0 / X_BLOCK]);
-#pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i)
-            _mm512_store_ps(sum[m] + 16 * i,
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i][row])),
-                                            _mm512_mul_ps(scale[i], step), _mm512_load_ps(sum[m] + 16 * i)));
-        }
-      }
-    }
-    // the zeros' share: zero times x's exact sum over the group
-    for (int64_t m = 0; m < count; ++m) {
-      float group_sum = 0.0f;
-      for (int64_t j = 0; j < blocks_per_group; ++j) group_sum += xq.sum[(m0 + m) * xq.blocks + g * blocks_per_group + j];
-      __m512 total = _mm512_set1_ps(group_sum);
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i)
-        _mm512_store_ps(sum[m] + 16 * i, _mm512_fmadd_ps(zero[i], total, _mm512_load_ps(sum[m] + 16 * i)));
-    }
-  }
-  for (int64_t m = 0; m < count; ++m)
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const int64_t at = (m0 + m) * r.y_stride + b.row0 + 16 * i;
-      if (r.y_bf16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.y_bf16 + at), narrow_bf16_avx512(_mm512_load_ps(sum[m] + 16 * i)));
-      else
-        _mm512_storeu_ps(r.y + at, _mm512_load_ps(sum[m] + 16 * i));
-    }
-}
-
-// The tile configuration is each thread's own: set for each block, and released after it (a
-// thread holding tiles has their 8 KB saved at every switch of context).
-ZEROLITE_AMX void block_amx(const Int4Weight& w, const Block& b, const Rows& r, const XBlocks& xq) {
-  if (!(b.halves && b.rows == 64)) {
-    block_avx512(w, b, r);
-    return;
-  }
-  configure_tiles();
-  for (int64_t m0 = 0; m0 < r.count; m0 += AMX_CHUNK) chunk_amx(w, b, xq, m0, std::min(AMX_CHUNK, r.count - m0), r);
-  _tile_release();
-}
+// amx (csrc/int4_amx.cpp) from AMX_MIN_ROWS rows of x on: below, the dequantisation it costs
+// whatever the rows outweighs the vnni tile's products (measured, one thread: 0.7x its speed at
+// 1 and 4 rows, 1.1x at 8, 1.6x at 16, 2.9x at 64).
+constexpr int64_t AMX_MIN_ROWS = 8;
 
 #endif  // ZEROLITE_X86
 
@@ -547,9 +404,12 @@ void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) 
   }
 #ifdef ZEROLITE_X86
   if (vnni && path >= CpuPath::amx && r.count >= AMX_MIN_ROWS) {
-    XBlocks xq = x_blocks(r, w.in_features, w.stored_in);
-    xq.q.resize((r.count + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * xq.padded, 0);  // whole tiles: zero rows after the last
-    kernel_pool().run(threads, blocks, [&](int64_t index) { block_amx(w, block_at(w, index), r, xq); });
+    const AmxRows x = amx_rows(r, w.in_features);
+    kernel_pool().run(threads, blocks, [&](int64_t index) {
+      const Block b = block_at(w, index);
+      if (b.halves && b.rows == 64) block_amx(w, b, x, r);
+      else block_avx512(w, b, r);
+    });
     return;
   }
   if (vnni) {

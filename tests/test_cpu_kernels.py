@@ -24,8 +24,8 @@ INT8_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (192, 576), (130, 1537)]
 BF16_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (130, 1537)]  # out off the runs of 4, in off 8, 16 and 32
 ROW_COUNTS = [1, 3, 4, 6, 9]
 # amx's int4 tiles take 8 rows and more (csrc/int4_matmul.cpp's AMX_MIN_ROWS): 16 rows to a tile,
-# the last one partial, and the sums of 64 rows kept at once
-AMX_ROW_COUNTS = [8, 15, 16, 17, 40, 64, 65]
+# fewer than 16 in one tile, the last of several partial, and the sums of 256 rows kept at once
+AMX_ROW_COUNTS = [8, 15, 16, 17, 40, 64, 65, 257]
 RELATIVE = 2e-6  # fp32 sums in another order: a few ulps of the largest output
 ROUNDED_RELATIVE = 1e-2  # x rounded to int8 per 32 columns: about 0.5% measured
 
@@ -177,6 +177,42 @@ def test_int4_rounds_rows_as_llama_cpp_does(rounding_path, shape, dtype, monkeyp
         expected = rounded_rows(x, stored_in) @ ((q.double() - 8) * scale).t() + exact @ zero.t()
         whole = out // 64 * 64  # rows past the whole blocks: exact
         expected[:, whole:] = exact @ ((q[whole:].double() - 8) * scale[whole:] + zero[whole:]).t()
+        assert_as_rounded(cpu_kernels.int4_matmul(x, packed, scale_zero, out, group, packing), expected, inp)
+
+
+def bf16_weights(q: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:
+    """[out, stored in] in fp64: each weight as amx dequantises it, q * scale + (zero - 8 * scale)
+    in fp32 (its offset rounded, then one rounding of the fused multiply-add), rounded to bf16."""
+    scale, zero = (part.double().t().repeat_interleave(group, 1) for part in scale_zero.float().unbind(-1))
+    offset = (zero - 8 * scale).float().double()
+    return (q.double() * scale + offset).float().bfloat16().double()
+
+
+@pytest.mark.parametrize("tiles_path", [p for p in PATHS if p == INT4_ONLY])
+# and whole blocks only, with a partial step: bf16 rows read as they lie where they are whole steps
+@pytest.mark.parametrize("shape", INT4_SHAPES + [(128, 70, 32)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_int4_amx_multiplies_bf16_weights_and_rows(tiles_path, shape, dtype, scale_dtype, monkeypatch):
+    """From 8 rows on, amx multiplies x rounded to bf16 by the weights dequantised to bf16, to
+    fp32's sums; the blocks past the whole 64-row ones exact. Partial steps of 32 columns read
+    zeros past x's end (the padding's nibbles here are random, not zero)."""
+    monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, tiles_path)
+    out, inp, group = shape
+    packing = Int4Packing(64, "halves")
+    generator = torch.Generator().manual_seed(out + inp + 1)
+    q, scale_zero = quantize_int4(torch.randn(out, inp, generator=generator).to(scale_dtype), group)
+    stored_in = q.shape[1]
+    q[:, inp:] = torch.randint(0, 16, (out, stored_in - inp), generator=generator, dtype=torch.uint8)
+    packed = pack_int4(q, packing)
+    weight = bf16_weights(q, scale_zero, group)
+    whole = out // 64 * 64
+    exact = dequantize_int4(packed, scale_zero.float(), group, packing, torch.float32).double()
+    for rows in AMX_ROW_COUNTS:
+        x = (torch.randn(rows, inp, generator=generator) * ROW_SIZES.repeat(29, 1)[:rows]).to(dtype)
+        padded = F.pad(x.double(), (0, stored_in - inp))
+        expected = F.pad(x.bfloat16().double(), (0, stored_in - inp)) @ weight.t()
+        expected[:, whole:] = padded @ exact[whole:].t()
         assert_as_rounded(cpu_kernels.int4_matmul(x, packed, scale_zero, out, group, packing), expected, inp)
 
 

@@ -102,6 +102,7 @@ def test_quantized_layout_matches_its_dequantised_weights_on_cpu(quantized, setu
     for dequantize_rows in [1 << 30, 1]:
         monkeypatch.setattr(zerolite.quant.linear, "DEQUANTIZE_ROWS", dequantize_rows)
         monkeypatch.setattr(zerolite.quant.linear, "INT4_DEQUANTIZE_ROWS", dequantize_rows)
+        monkeypatch.setattr(zerolite.quant.linear, "TILES_INT4_DEQUANTIZE_ROWS", dequantize_rows)
         with zerolite.load(layout, device="cpu", show_progress=False, **setup) as lm:
             assert any(isinstance(m, QuantizedLinear) for m in lm.model.modules())
             assert_close_to_reference(expected, greedy(lm, ROWS, NEW_TOKENS, logits=True))

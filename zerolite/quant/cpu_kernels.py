@@ -16,9 +16,11 @@ them to int8 per 32 columns, as llama.cpp's Q4_0 and Q8_0 do, and multiplies byt
 faster, at about 0.5% of relative error in a product (docs/benchmarks-cpu-kernels.md gives its
 perplexity); fp32 rows keep the exact path. bf16 weights (bf16_matmul, bf16 rows) take AVX-512
 BF16's dot products where the CPU has them (avx512bf16), fp32 sums either way. Where the CPU has
-AMX (amx_int8) and Linux grants the process its tile state, int4 multiplies the same integers as
-avx512vnni in AMX's tiles from 8 rows of x on (amx: the same rounding, 1.1 to 1.5x faster at 16
-to 64 rows; int8 and bf16 run there as at avx512bf16). They run on
+AMX (amx_int8, amx_bf16) and Linux grants the process its tile state, int4 multiplies in AMX's
+bf16 tiles from 8 rows of x on (amx: its weights dequantised to bf16 as it goes, x rounded to
+bf16, fp32 sums; 1.6x avx512vnni's speed at 16 rows, 3x at 64, and faster than dequantising
+for torch's matmul up to about a thousand rows: int4_in_tiles; int8 and bf16 run there as at
+avx512bf16). They run on
 torch's thread count, on a pool of the extension's own whose idle threads sleep, and release the
 GIL. Tensors go in as addresses: the checks here are all they get.
 """
@@ -123,6 +125,18 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
                         packing.interleave == "halves", scale_zero.data_ptr(), scale_zero.dtype == torch.bfloat16,
                         path, torch.get_num_threads(), x.dtype == torch.bfloat16)
     return y
+
+
+@functools.cache
+def _amx_number() -> int | None:
+    return _path_number("amx") if "amx" in supported_paths() else None
+
+
+def int4_in_tiles(x_dtype: torch.dtype, out_features: int, group_size: int, packing: Int4Packing) -> bool:
+    """Whether int4_matmul multiplies rows of x_dtype by such a weight in AMX's tiles (from 8 rows
+    on): the amx path, rows not fp32, whole 64-row "halves" blocks in groups of a multiple of 32."""
+    return (x_dtype != torch.float32 and kernel_path(exact=False) == _amx_number()
+            and packing == Int4Packing(64, "halves") and out_features % 64 == 0 and group_size % 32 == 0)
 
 
 def int4_dequantize_transposed(out: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int,

@@ -28,7 +28,7 @@ from torch import nn
 from zerolite import memory_model
 from zerolite.io.device import Device
 from zerolite.layout.manifest import DTYPES, Manifest, TensorEntry
-from zerolite.quant.cpu_kernels import int4_dequantize_transposed, int4_matmul, int8_matmul
+from zerolite.quant.cpu_kernels import int4_dequantize_transposed, int4_in_tiles, int4_matmul, int8_matmul
 from zerolite.quant.gpu_int4 import Int4Kernel, fits, inner_k_tiles, int4_kernel, paired_columns
 from zerolite.quant.int4_packing import Int4Packing, unpack_int4
 from zerolite.quant.quantize import (
@@ -44,6 +44,10 @@ from zerolite.quant.quantize import (
 # on the CPU; these were set from the one measured (docs/benchmarks-cpu-kernels.md).
 DEQUANTIZE_ROWS = 64
 INT4_DEQUANTIZE_ROWS = 64
+# Where int4 multiplies in AMX's tiles (cpu_kernels.int4_in_tiles) the kernel's cost grows with
+# the rows far more slowly: it beats dequantise-then-matmul up to this many (level here, 1.2x
+# slower at 2048 rows).
+TILES_INT4_DEQUANTIZE_ROWS = 1024
 # On a GPU, below these many rows int4 multiplies through the fused kernel: it reads the packed
 # nibbles once, but its time grows with the rows, while dequantising with Scratch reads and writes
 # about 11 bytes a weight whatever their number, then runs bf16's matmul (the H100's figures:
@@ -175,7 +179,9 @@ class Int4Linear(QuantizedLinear):
             weight = self._buffer((self.out_features, self.stored_in), rows)
             dequantize_int4_into(weight, self.weight, scale_zero, self.group_size, self.packing)
             return F.linear(self.padded(rows), weight)
-        if rows.shape[0] >= INT4_DEQUANTIZE_ROWS:
+        count = rows.shape[0]
+        if count >= INT4_DEQUANTIZE_ROWS and (count >= TILES_INT4_DEQUANTIZE_ROWS or not int4_in_tiles(
+                rows.dtype, self.out_features, self.group_size, self.packing)):
             # The transpose, as the kernel writes it in one pass; torch's matmul takes either.
             dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
             transposed = self._buffer((self.in_features, self.out_features), rows, dtype)
