@@ -382,7 +382,7 @@ void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const XBlock
 
 // amx (csrc/int4_amx.cpp) from AMX_MIN_ROWS rows of x on: below, the dequantisation it costs
 // whatever the rows outweighs the vnni tile's products (measured, one thread: 0.7x its speed at
-// 1 and 4 rows, 1.1x at 8, 1.6x at 16, 2.9x at 64).
+// 1 and 4 rows, 1.0 to 1.1x at 8, 1.6x at 16, 2.8x at 64).
 constexpr int64_t AMX_MIN_ROWS = 8;
 
 #endif  // ZEROLITE_X86

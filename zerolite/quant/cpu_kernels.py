@@ -18,7 +18,7 @@ perplexity); fp32 rows keep the exact path. bf16 weights (bf16_matmul, bf16 rows
 BF16's dot products where the CPU has them (avx512bf16), fp32 sums either way. Where the CPU has
 AMX (amx_int8, amx_bf16) and Linux grants the process its tile state, int4 multiplies in AMX's
 bf16 tiles from 8 rows of x on (amx: its weights dequantised to bf16 as it goes, x rounded to
-bf16, fp32 sums; 1.6x avx512vnni's speed at 16 rows, 3x at 64, and faster than dequantising
+bf16, fp32 sums; 1.6x avx512vnni's speed at 16 rows, 2.8x at 64, and faster than dequantising
 for torch's matmul up to about a thousand rows: int4_in_tiles; int8 and bf16 run there as at
 avx512bf16). They run on
 torch's thread count, on a pool of the extension's own whose idle threads sleep, and release the
