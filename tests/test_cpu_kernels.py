@@ -20,7 +20,8 @@ PATHS = cpu_kernels.supported_paths()
 # (out, in, group): out a multiple of 16 (the packer's), its last block of 16, 32 or 48 rows
 # after whole blocks of 64; in with a partial last group, or odd.
 INT4_SHAPES = [(64, 64, 32), (80, 100, 32), (48, 70, 64), (112, 33, 32), (192, 576, 128), (16, 129, 64)]
-INT8_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (192, 576), (130, 1537)]
+# 45: a task of 32 rows, then one of 13 (avx512vnni's runs of 8 at one row of x, then of 4, then one)
+INT8_SHAPES = [(64, 64), (7, 100), (45, 17), (5, 1), (192, 576), (130, 1537)]
 BF16_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (130, 1537)]  # out off the runs of 4, in off 8, 16 and 32
 ROW_COUNTS = [1, 3, 4, 6, 9]
 # amx's int4 tiles take 8 rows and more (csrc/int4_matmul.cpp's AMX_MIN_ROWS): 16 rows to a tile,
