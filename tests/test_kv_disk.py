@@ -147,15 +147,21 @@ def test_a_layer_on_disk_takes_the_running_batch_s_changes(tmp_path):
 
 def test_batch_size_auto_counts_only_two_layers_of_the_k_v_on_disk(monkeypatch):
     """A shape whose K/V dominates, in 10 GB of host memory: with every layer's K/V on disk the
-    batch is many times the one that holds it all in memory."""
+    batch is many times the one that holds it all in memory; at 4 bits each layer's group of
+    tokens not yet full is counted in memory too (64 layers' 127 tokens against 2 layers' 4004)."""
     config = tiny_config("llama", layers=64, num_attention_heads=1, num_key_value_heads=1, head_dim=128)
     monkeypatch.setattr(batching, "host_room", lambda: 10 * 10**9)
-    batches = {}
-    for kv_disk in (0.0, 1.0):
+    monkeypatch.setattr(memory_model, "KV_KEY_TOKENS", 128)
+
+    def batch(kv_disk: float, bits: int = 16) -> int:
         lm = SimpleNamespace(model=SimpleNamespace(config=config, dtype=torch.bfloat16), device=resolve("cpu"),
-                             policy=Policy(device="cpu", kv_disk=kv_disk))
-        batches[kv_disk] = batching.largest_batch(lm, [4] * 4096, 4000)
-    assert batches[1.0] >= 8 * batches[0.0], batches
+                             policy=Policy(device="cpu", kv_disk=kv_disk, kv_bits=bits))
+        return batching.largest_batch(lm, [4] * 4096, 4000)
+
+    assert batch(1.0) >= 8 * batch(0.0)
+    four_bits = batch(1.0, 4)
+    monkeypatch.setattr(batching, "kv_filling_group_bytes", lambda *shape: 0)  # what forgetting them would give
+    assert four_bits < 0.75 * batch(1.0, 4)
 
 
 def test_bad_kv_disk_settings_are_one_clear_error(make_layout):
