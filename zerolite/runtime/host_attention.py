@@ -67,7 +67,7 @@ class HostStaging:
 class HostAttendedLayer(HostLayer):
     """One layer's K/V in host memory, attended there. update() appends the new tokens to the host
     buffers (as HostLayer does: sequence-first, on the appends stream) and hands the attention views
-    of them; nothing is fetched."""
+    of them; nothing is fetched. Quantized (--kv-bits): QuantizedHostAttendedLayer."""
 
     def __init__(self, host: Device, streams, pool, tokens: int, staging: HostStaging):
         super().__init__(host, streams, pool, tokens)

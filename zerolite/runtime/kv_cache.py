@@ -13,10 +13,10 @@ would). A fetch waits for that layer's last appends and for the compute queued b
 targets come from compute's memory): it still runs while the layer before computes. The attention
 code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
 
-With bits 8 or 4 (--kv-bits) every attention layer's K/V, on the device or in host memory, is kept
-as zerolite.quant.kv_codec packs it: quantized as it is appended (at 4 bits, a group of tokens at a
-time, the group being filled held at 16 bits where compute runs), the layer's whole K/V dequantised
-when its attention reads it. The host copies then move the packed bytes.
+With bits 8 or 4 (--kv-bits) every attention layer's K/V, in every tier, is kept as
+zerolite.quant.kv_codec packs it, with the same codecs: quantized as it is appended (at 4 bits the
+keys a group of tokens at a time, the group being filled waiting at 8 bits where compute runs), the
+layer's whole K/V dequantised when its attention reads it. The host copies then move the packed bytes.
 
 A further share of the layers (--kv-disk) keeps its K/V in files under the offload root
 (zerolite.runtime.kv_disk), read one layer ahead as the host layers are fetched; at 4 bits a group's
@@ -266,7 +266,8 @@ class QuantizedStates:
 
     Where the keys' codec packs a group of tokens at a time (4 bits), the tokens of the group not yet
     full wait in self.recent (their keys at the codec's waiting bits, their values packed), where
-    compute runs (where_kept), and are stored together when it fills. Attention reads the stored keys decoded, then
+    compute runs (a layer attended on the host keeps them there: where_kept), and are stored
+    together when it fills. Attention reads the stored keys decoded, then
     the waiting ones, this update's and those of a group it fills included: as decoding one token at
     a time reads them, so that a text fed a group at a time, aligned with the groups, reads the same
     K/V as decoding it does. What changes the tokens' columns (a running batch's rows joining,
