@@ -1,7 +1,9 @@
 """Attention over K/V in host memory computed on the host (`kv_attention` cpu): generation equal to
 transformers' token for token on the CPU and on the simulated device, the link carrying none of
 those layers' K/V (counted copy by copy), compute waiting for the host's output, quantized K/V
-decoded on the host, and families whose attention can't go there left on the device with one line."""
+with the device tier's codecs (at 4 bits keys grouped per channel, the group filling waiting on the
+host) decoded on the host, beside layers on disk and on the device, and families whose attention
+can't go there left on the device with one line."""
 
 from __future__ import annotations
 
@@ -10,35 +12,30 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 import zerolite
 from support.helpers import greedy, new_tokens_alone
 from support.simulated_device import OrderingError, SimulatedDevice
 from support.tiny_models import tiny_config
+from test_kv_bits import KEY_GROUP
 from test_running_batch import prompts, staggered
+from zerolite import memory_model
 from zerolite.cli.plan_summary import summarize
 from zerolite.hf import build_meta_model
 from zerolite.io.device import resolve
-from zerolite.quant.kv_codec import kv_codecs
-from zerolite.runtime.host_attention import HostAttendedLayer, host_attending_caches, unfit
-from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, QuantizedDeviceLayer, host_layers
+from zerolite.runtime.host_attention import HostAttendedLayer, QuantizedHostAttendedLayer, host_attending_caches, unfit
+from zerolite.runtime.kv_cache import HostLayer, PartialOffloadCache, QuantizedDiskLayer
 
 ROWS = [[5, 17, 33, 9, 44, 61, 70], [12, 90]]  # one batch: the short prompt left-padded
 NEW_TOKENS = 5
 LAYERS = 4
 
 
-def reference(source, bits: int = 16, kv_offload: float = 0.0):
-    """transformers' greedy generation in RAM (at bits < 16 with zerolite's quantized cache passed in,
-    the kv_offload share attended on the host packing its keys token by token, as HostAttendedLayer does)."""
+def reference(source, bits: int = 16):
+    """transformers' greedy generation in RAM (at bits < 16 with zerolite's quantized cache on the device passed in)."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    more = {}
-    if bits < 16:
-        cache = PartialOffloadCache(model.config, 0.0, resolve("cpu"), bits=bits)
-        for i in host_layers(DynamicCache(config=model.config).layers, kv_offload):
-            cache.layers[i] = QuantizedDeviceLayer(codecs=kv_codecs(bits, by_token=True))
-        more = {"cache": cache}
+    more = {"cache": PartialOffloadCache(model.config, 0.0, resolve("cpu"), bits=bits)} if bits < 16 else {}
     return greedy(model, ROWS, NEW_TOKENS, logits=True, **more)
 
 
@@ -138,23 +135,38 @@ def test_without_the_hosts_wait_for_the_appends_it_attends_over_stale_kv(make_so
         sim.skipped_synchronizes.clear()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_kv_is_decoded_and_attended_on_the_host(bits, make_source, make_layout):
-    """--kv-bits with the host's attention: the packed rows go to the host as appended and are
-    decoded there; the tokens are transformers' with the same quantized cache."""
-    expected = reference(make_source("llama", layers=LAYERS), bits, kv_offload=0.5)
-    sim = SimulatedDevice(seed=2, max_delay_s=5e-4)
-    with sim.watching(), zerolite.load(make_layout("llama", layers=LAYERS), device=sim, offload="nvme", cpu_memory=0,
-                                       gpu_memory=0, kv_offload=0.5, kv_bits=bits, kv_attention="cpu",
-                                       show_progress=False) as lm:
+@pytest.mark.parametrize(("where", "bits"), [("sim", 8), ("sim", 4), ("cpu", 4)])
+def test_quantized_kv_is_decoded_and_attended_on_the_host(where, bits, make_source, make_layout, monkeypatch):
+    """--kv-bits with the host's attention, a layer on disk and one on the device beside: only the
+    new tokens' packed rows go to the host, where (at 4 bits) the keys of the group filling wait and a
+    full group is packed per channel, and the K/V is decoded there; the tokens are transformers' with
+    the device tier's quantized cache, the link carrying none of the host layers' K/V."""
+    monkeypatch.setattr(memory_model, "KV_KEY_TOKENS", KEY_GROUP)  # groups fill and wait in these tiny runs
+    expected = reference(make_source("llama", layers=LAYERS), bits)
+    sim = SimulatedDevice(seed=2, max_delay_s=5e-4) if where == "sim" else None
+    counted = []
+    with (sim.watching() if sim else contextlib.nullcontext()), \
+            zerolite.load(make_layout("llama", layers=LAYERS), device=sim or "cpu", offload="nvme", cpu_memory=0,
+                          gpu_memory=0, kv_offload=0.5, kv_disk=0.25, kv_bits=bits, kv_attention="cpu",
+                          show_progress=False) as lm:
         cache = lm.new_cache()
+        if sim:
+            kv_fetched(sim, cache, counted)
         got = greedy(lm, ROWS, NEW_TOKENS, logits=True, cache=cache)
         assert torch.equal(expected.sequences, got.sequences)
         for e, g in zip(expected.logits, got.logits, strict=True):
             assert torch.allclose(e, g, rtol=0, atol=1e-5), (e - g).abs().max()
         host = [layer for layer in cache.layers if isinstance(layer, HostAttendedLayer)]
-        assert host and all(layer.keys.dtype == torch.uint8 for layer in host)
-        assert lm.parts.caches.staging.calls > 0
+        assert len(host) == LAYERS // 2 and all(type(layer) is QuantizedHostAttendedLayer for layer in host)
+        assert [type(cache.layers[i]) for i in cache.on_disk] == [QuantizedDiskLayer]
+        tokens = len(ROWS[0]) + NEW_TOKENS - 1  # the last token chosen is not fed
+        stored = tokens // KEY_GROUP * KEY_GROUP if bits == 4 else tokens
+        for layer in host:
+            assert layer.keys.dtype == torch.uint8 and layer.keys.shape[-2] == stored
+            assert layer.recent_length == tokens - stored
+        assert lm.parts.caches.staging.calls == NEW_TOKENS * len(host)
+        cache.wait_for_copies()
+    assert not counted, counted
 
 
 def test_rows_joining_and_leaving_a_running_batch_are_attended_on_the_host(make_source, make_layout):

@@ -20,11 +20,21 @@ from support.tiny_models import tiny_config
 from zerolite import memory_model
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import resolve
+from zerolite.io.engine import IoEngine
 from zerolite.memory_model import kv_bytes_per_token, kv_group_size, kv_key_row_bytes, kv_row_bytes, kv_waiting_bytes
 from zerolite.quant.kv_codec import KeyGroupCodec, KVCodec
 from zerolite.runtime import batching
+from zerolite.runtime.host_attention import HostAttendingCaches, QuantizedHostAttendedLayer
 from zerolite.runtime.host_memory import host_room
-from zerolite.runtime.kv_cache import PartialOffloadCache, QuantizedHostLayer, QuantizedStates
+from zerolite.runtime.kv_cache import (
+    OffloadedCaches,
+    PartialOffloadCache,
+    QuantizedDeviceLayer,
+    QuantizedDiskLayer,
+    QuantizedHostLayer,
+    QuantizedStates,
+)
+from zerolite.runtime.kv_disk import KVDisk
 from zerolite.runtime.policy import Policy
 
 ROWS = [[5, 17, 33, 9, 44, 61, 70], [12, 90]]  # one batch: the short prompt left-padded
@@ -278,20 +288,27 @@ def test_a_bad_kv_bits_is_one_clear_error(make_layout):
 
 
 
+@pytest.mark.parametrize("tier", ["host", "host attended", "disk"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_the_running_batch_moves_packed_rows_as_it_moves_states(bits, small_key_groups):
+def test_the_running_batch_moves_packed_rows_as_it_moves_states(bits, tier, small_key_groups, tmp_path):
     """A row joining (zero rows), columns reordered in place, a row and a column leaving: done to
-    the packed rows (on the device and in host memory), they decode to what the same changes make
-    of the decoded states; where keys are stored in groups of tokens (4 bits), done to the states
-    decoded, packed anew from them. (Whole runs of the running batch do
-    not compare token for token with generate: a batch's matmuls round differently, which at 8 or 4
+    the packed rows (on the device and in the tier: host memory, attended there, on disk), they
+    decode to what the same changes make of the decoded states; where keys are stored in groups of
+    tokens (4 bits), done to the states decoded, packed anew from them. (Whole runs of the running
+    batch do not compare token for token with generate: a batch's matmuls round differently, which at 8 or 4
     bits can tip a code.)"""
     from transformers import DynamicCache
 
     from zerolite.decoding.running_batch import RunningBatch
 
     config = tiny_config("llama", layers=2)
-    quantized = PartialOffloadCache(config, 0.5, resolve("cpu"), bits=bits)
+    cpu = resolve("cpu")
+    if tier == "disk":
+        quantized = PartialOffloadCache(config, 0.0, cpu, bits=bits, disk=KVDisk(tmp_path, IoEngine(), cpu),
+                                        disk_fraction=0.5)
+    else:
+        caches = (HostAttendingCaches if tier == "host attended" else OffloadedCaches)(cpu)
+        quantized = caches.new(config, 0.5, bits=bits)
     plain = DynamicCache(config=config)
     torch.manual_seed(0)
     for index in range(2):
@@ -310,7 +327,8 @@ def test_the_running_batch_moves_packed_rows_as_it_moves_states(bits, small_key_
 
     changes = [lambda batch: batch._each_layer(joined), lambda batch: batch._close_holes(4, 2, [2, 1, 2, 1]),
                lambda batch: batch._each_layer(left)]
-    assert isinstance(quantized.layers[1], QuantizedHostLayer)
+    kind = {"host": QuantizedHostLayer, "host attended": QuantizedHostAttendedLayer, "disk": QuantizedDiskLayer}[tier]
+    assert [type(layer) for layer in quantized.layers] == [QuantizedDeviceLayer, kind]
     for change in changes:
         for batch in batches:
             change(batch)

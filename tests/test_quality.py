@@ -13,8 +13,10 @@ from transformers import AutoModelForCausalLM
 
 import zerolite
 from perplexity import perplexity, windows  # tools/ is on the path: pyproject's pythonpath
+from quality import score_kv_bits
 from support.cli_runner import run_tool
 from support.tiny_models import VOCAB, save_ascii_tokenizer
+from zerolite import memory_model
 
 WINDOW = 16  # the tiny model's max_position_embeddings: the 50 ids below need several windows
 
@@ -85,3 +87,16 @@ def test_the_tool_runs_end_to_end_and_agrees_with_transformers(capsys, monkeypat
     # int4-g64: the tiny model's MLP is 160 wide, so its last group is partial
     for name in ("int8", "int4-g32", "int4-g64"):
         assert rows[name]["available"] and math.isfinite(rows[name]["perplexity"])
+
+
+def test_every_k_v_tier_scores_what_the_device_s_does(make_layout, monkeypatch):
+    """--kv-bits 4 with the K/V on disk, in host memory attended on the CPU, and both beside the
+    device: the keys grouped over tokens alike in every tier (groups of 4 here, so that the 22
+    tokens fill several and leave one filling), the same perplexity as on the device."""
+    monkeypatch.setattr(memory_model, "KV_KEY_TOKENS", 4)
+    layout = make_layout("llama", layers=4)
+    ids = torch.randint(0, VOCAB, (22,), generator=torch.Generator().manual_seed(2))
+    sixteen, device = (row["perplexity"] for row in score_kv_bits(layout, ids, [16, 4], chunk=4))
+    assert device != sixteen
+    for tiers in (dict(kv_disk=1.0), dict(kv_offload=0.5, kv_disk=0.25, kv_attention="cpu")):
+        assert score_kv_bits(layout, ids, [4], chunk=4, tiers=tiers)[0]["perplexity"] == device, tiers

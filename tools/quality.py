@@ -4,7 +4,8 @@ dtype (the base) and each scheme of --weights.
 
     python tools/quality.py [--weights int8,int4-g32,int4-g64,int4-g128] [--tokens 4096] [--reference]
                             [--path ROOT] [--json FILE] [--model MODEL] [--dtype bf16|fp16|fp32]
-                            [--kv-bits 16,8,4] [--kv-chunk 64]
+                            [--kv-bits 16,8,4] [--kv-chunk 64] [--kv-offload SHARE] [--kv-disk SHARE]
+                            [--kv-attention device|cpu]
 
 Each variant is a layout converted from MODEL (default: the built-in GGUF) into ROOT/VARIANT-DTYPE
 (ROOT defaults to zerolite's cache dir/quality) and reused on later runs: the base with no weights
@@ -30,6 +31,9 @@ channel in groups of zerolite.memory_model.KV_KEY_TOKENS tokens (128), waiting a
 group fills, and a chunk reads the keys of the group it fills as they waited: with a chunk that
 divides the group (64 does), the chunks aligned with the groups, every prediction reads the K/V as
 token-by-token decoding does. This is decoding's perplexity. Each is compared with the 16-bit cache's.
+--kv-offload, --kv-disk and --kv-attention put those shares of the layers' K/V in host memory, on disk
+(the weights then streamed from the layout: the K/V files go under its folder) and attended on the
+CPU, as generate's flags do: every tier keeps the K/V as the device does, so the figures are the same.
 """
 
 from __future__ import annotations
@@ -108,11 +112,14 @@ def score_layout(folder: Path, ids, label: str) -> tuple[Score, float]:
         return timed_score(lm.model, ids, label)
 
 
-def score_kv_bits(folder: Path, ids, bits: list[int], chunk: int) -> list[dict]:
-    """The base layout scored through its K/V cache at each of bits, the first the baseline."""
+def score_kv_bits(folder: Path, ids, bits: list[int], chunk: int, tiers: dict | None = None) -> list[dict]:
+    """The base layout scored through its K/V cache at each of bits, the first the baseline; tiers:
+    zerolite.load's kv_offload, kv_disk and kv_attention, where the K/V lives and is attended."""
+    tiers = tiers or {}
+    offload = "nvme" if tiers.get("kv_disk") else "cpu"  # K/V files go under the offload root
     rows = []
     for each in bits:
-        with zerolite.load(folder, offload="cpu", device="cpu", kv_bits=each, show_progress=False) as lm:
+        with zerolite.load(folder, offload=offload, device="cpu", kv_bits=each, show_progress=False, **tiers) as lm:
             started = time.perf_counter()
             with token_progress(f"K/V at {each} bits", len(ids) - 1) as progress:
                 score = perplexity_through_cache(lm.model, ids, lm.new_cache, chunk, progress=progress)
@@ -182,8 +189,10 @@ def report(console: Console, rows: list[dict]) -> None:
             console.print(f"{row['variant']}: {UNAVAILABLE}: {row['reason']}", highlight=False)
 
 
-def report_kv_bits(console: Console, rows: list[dict], chunk: int) -> None:
-    table = Table(title=f"tools/quality: the base's K/V cache at each bits, the text fed {chunk} tokens at a time")
+def report_kv_bits(console: Console, rows: list[dict], chunk: int, tiers: dict) -> None:
+    where = ", ".join(f"{name} {value}" for name, value in tiers.items()) or "on the device"
+    table = Table(title=f"tools/quality: the base's K/V cache at each bits ({where}), "
+                  f"the text fed {chunk} tokens at a time")
     for column in ("K/V bits", "perplexity", f"vs {rows[0]['kv_bits']} bits", "scored in"):
         table.add_column(column, justify="right")
     for row in rows:
@@ -212,6 +221,12 @@ def main() -> None:
     parser.add_argument("--kv-chunk", type=int, default=64,
                         help="tokens fed through the cache at a time (a divisor of the 4-bit keys' group of 128 "
                         "tokens reads the K/V as decoding does)")
+    parser.add_argument("--kv-offload", type=float, default=0.0, metavar="SHARE",
+                        help="with --kv-bits: that share of the layers' K/V in host memory")
+    parser.add_argument("--kv-disk", type=float, default=0.0, metavar="SHARE",
+                        help="with --kv-bits: that share of the layers' K/V on disk")
+    parser.add_argument("--kv-attention", choices=("device", "cpu"), default="device",
+                        help="with --kv-bits: where the layers with K/V in host memory are attended")
     args = parser.parse_args()
     quiet_transformers()
     console = Console(width=None if sys.stdout.isatty() else 160)  # the table stays whole in a log
@@ -243,14 +258,20 @@ def main() -> None:
             row["change_pct"] = 100 * (row["perplexity"] / rows[0]["perplexity"] - 1)
 
     report(console, rows)
-    kv_rows = score_kv_bits(base_folder, ids, args.kv_bits, args.kv_chunk) if args.kv_bits else []
+    tiers = {name: value for name, value in (("kv_offload", args.kv_offload), ("kv_disk", args.kv_disk)) if value}
+    if args.kv_attention != "device":
+        tiers["kv_attention"] = args.kv_attention
+    try:
+        kv_rows = score_kv_bits(base_folder, ids, args.kv_bits, args.kv_chunk, tiers) if args.kv_bits else []
+    except ZeroliteError as e:  # tiers zerolite.load refuses
+        sys.exit(f"quality: error: {e}")
     if kv_rows:
-        report_kv_bits(console, kv_rows, args.kv_chunk)
+        report_kv_bits(console, kv_rows, args.kv_chunk, tiers)
     if args.json:
         figures = {"model": model, "python": platform.python_version(),
                    "text": "pydoc_data.topics, sorted keys, joined by a blank line", "tokens": args.tokens,
                    "window": window, "dtype": dtype, "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
-                   "variants": rows, "kv_bits": kv_rows, "kv_chunk": args.kv_chunk}
+                   "variants": rows, "kv_bits": kv_rows, "kv_chunk": args.kv_chunk, "kv_tiers": tiers}
         args.json.write_text(json.dumps(figures, indent=2))
 
 

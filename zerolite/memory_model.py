@@ -150,6 +150,15 @@ def kv_waiting_bytes(config: PretrainedConfig, dtype: torch.dtype, bits: int) ->
     return (KV_KEY_TOKENS - 1) * shape.kv_heads * per_token * sum(shape.growing)
 
 
+def kv_filling_group_bytes(config: PretrainedConfig, dtype: torch.dtype, bits: int) -> int:
+    """What one sequence's group of tokens not yet full takes at its most at 4 bits, over every layer:
+    KV_KEY_TOKENS - 1 tokens, keys waiting at 8 bits, values at 4. A layer whose K/V is on disk holds
+    it in memory, where the rest of its K/V is not. None at 16 and 8 bits."""
+    if bits != 4:
+        return 0
+    return (KV_KEY_TOKENS - 1) * kv_bytes_per_token(config, dtype, bits) + kv_waiting_bytes(config, dtype, bits)
+
+
 def kv_decode_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, bits: int) -> int:
     """What reading quantized K/V takes beside it, per token of context: the layer being attended
     holds its keys and values decoded into dtype (decoded in place, so nothing wider). None at

@@ -24,6 +24,7 @@ from zerolite.memory_model import (
     kv_bytes_per_token,
     kv_bytes_per_token_by_layer,
     kv_decode_bytes_per_token,
+    kv_filling_group_bytes,
     kv_waiting_bytes,
     prefill_activation_bytes,
     prefill_carried_bytes,
@@ -66,6 +67,8 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
     kv = kv_bytes_per_token(config, dtype, bits) * length + kv_waiting_bytes(config, dtype, bits)
     # K/V on disk is in host memory a layer at a time, twice over: the layer read ahead, and the one attended
     disk_staging = 2 * max(kv_bytes_per_token_by_layer(config, dtype, bits), default=0) * length if kv_disk else 0
+    # and at 4 bits each such layer's group of tokens not yet full, where compute runs
+    disk_filling = int(kv_filling_group_bytes(config, dtype, bits) * kv_disk)
     # the prefill's, or the widest moment of a decode step reading quantized K/V (both on the device)
     activations = max(prefill_activation_bytes(ModelShape.of(config), longest, dtype),
                       kv_decode_bytes_per_token(config, dtype, bits) * length)
@@ -75,14 +78,15 @@ def largest_batch(lm, prompt_tokens: list[int], max_new_tokens: int) -> int:
         device_free = lm.device.memory()[0] * (1 - MARGIN)
         # K/V that grows a token each step takes more than its bytes where the allocator's segments cannot grow
         # on the device: its own layers' K/V, and the layer on disk being attended
-        on_device = int(kv * (1 - kv_offload - kv_disk) + disk_staging / 2)
+        on_device = int(kv * (1 - kv_offload - kv_disk) + disk_staging / 2) + disk_filling
         per_sequence_device = lm.device.growing_cost(on_device) + activations
         # host K/V buffers grow by doubling and are pinned: up to twice the bytes, as pinning rounds them
         host_kv = int(2 * kv * kv_offload) + disk_staging
         per_sequence_host = lm.device.pinned_cost(host_kv) if host_kv else 0
     else:
         device_free = host_free
-        per_sequence_device, per_sequence_host = int(kv * (1 - kv_disk)) + disk_staging + activations, 0.0
+        per_sequence_device = int(kv * (1 - kv_disk)) + disk_staging + disk_filling + activations
+        per_sequence_host = 0.0
     fits = fitting_rows(device_free, per_sequence_device, activations, lm.policy.micro_batches,
                         prefill_carried_bytes(ModelShape.of(config), longest, dtype))
     if per_sequence_host:

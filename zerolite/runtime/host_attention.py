@@ -34,8 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from zerolite.hf import build_meta_model, cache_keyword
 from zerolite.io.device import Device
-from zerolite.quant.kv_codec import KVCodec
-from zerolite.runtime.kv_cache import HostLayer, OffloadedCaches, PartialOffloadCache
+from zerolite.runtime.kv_cache import HostLayer, OffloadedCaches, PartialOffloadCache, QuantizedStates
 from zerolite.runtime.kv_disk import KVDisk
 
 PREFIX = "zerolite_host_"
@@ -68,31 +67,23 @@ class HostStaging:
 class HostAttendedLayer(HostLayer):
     """One layer's K/V in host memory, attended there. update() appends the new tokens to the host
     buffers (as HostLayer does: sequence-first, on the appends stream) and hands the attention views
-    of them; nothing is fetched. With a codec the host buffers hold packed rows (as QuantizedHostLayer's),
-    decoded on the host where attention reads them."""
+    of them; nothing is fetched. Quantized (--kv-bits): QuantizedHostAttendedLayer."""
 
-    def __init__(self, host: Device, streams, pool, tokens: int, staging: HostStaging, codec: KVCodec | None = None):
+    def __init__(self, host: Device, streams, pool, tokens: int, staging: HostStaging):
         super().__init__(host, streams, pool, tokens)
         self.staging = staging
-        self.codec = codec
 
     def prefetch(self, extra: int = 0) -> None:
         """Nothing goes to the device: attention comes to the K/V."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        states = (key_states, value_states)
-        stored = [self.codec.encode(s) for s in states] if self.codec is not None else states
         if not self.is_initialized:
-            self.lazy_initialization(*stored)
-        self._append(*stored)
-        keys, values = self.keys, self.values
-        if self.codec is not None:
-            if self._appended is not None:
-                self._appended.synchronize()  # decoded by the host: the rows appended must have landed
-            keys, values = (self.codec.decode(packed, new.dtype, new.shape[-1])
-                            for packed, new in zip((keys, values), states))
-        else:
-            keys, values = keys[...], values[...]  # views of their own: the tag does not stay on self.keys
+            self.lazy_initialization(key_states, value_states)
+        self._append(key_states, value_states)
+        return self.tagged(self.keys[...], self.values[...])  # views of their own: the tag does not stay on self.keys
+
+    def tagged(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys and values marked as this layer's, for the attention function to send them to attend()."""
         setattr(keys, TAG, self)
         setattr(values, TAG, self)
         return keys, values
@@ -155,18 +146,49 @@ class HostAttendedLayer(HostLayer):
         return output
 
 
+class QuantizedHostAttendedLayer(QuantizedStates, HostAttendedLayer):
+    """One layer's K/V quantized in host memory, attended there, with the codecs every other tier
+    uses (QuantizedStates). Each update's new tokens are packed where compute made them, and only
+    their rows cross to the host; the rest is the host's: at 4 bits the keys of the group not yet
+    full wait there at 8 bits, a group that fills is packed per channel there and written into the
+    host buffers, and the layer's K/V is decoded there for its attention."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.tagged(*super().update(key_states, value_states, *args, **kwargs))
+
+    def where_kept(self, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows copied to the host through pinned staging buffers, the host waiting for them (it
+        attends over them next), and then held in memory of their own: the staging is the next call's."""
+        device = self.host
+        if not device.separate_memory:
+            return rows
+        compute = device.compute_stream()
+        staged = [self.staging.host(f"rows:{i}", each) for i, each in enumerate(rows)]
+        for target, each in zip(staged, rows):
+            device.copy(target, each.contiguous(), compute)
+        device.record(compute).synchronize()
+        return tuple(target.clone() for target in staged)
+
+    def _copy_in(self, at: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The rows are on the host already: written into its buffers where they stand."""
+        for buffer, rows in zip(self._buffers, (key_states, value_states)):
+            buffer[at:at + rows.shape[-2]] = rows.permute(2, 0, 1, 3)
+
+
 class HostAttendedCache(PartialOffloadCache):
-    """A PartialOffloadCache whose layers in host memory are attended there (HostAttendedLayer);
-    the others, and every layer's quantization, are as PartialOffloadCache makes them."""
+    """A PartialOffloadCache whose layers in host memory are attended there (HostAttendedLayer,
+    QuantizedHostAttendedLayer with the codecs PartialOffloadCache chose); the others are as it makes them."""
 
     def __init__(self, config: PretrainedConfig, fraction: float, device: Device, streams, pool, tokens: int,
                  bits: int, staging: HostStaging, disk: KVDisk | None = None, disk_fraction: float = 0.0):
         super().__init__(config, fraction, device, streams, pool, tokens, bits, disk, disk_fraction)
-        codec = KVCodec(bits) if bits < 16 else None
         for i, layer in enumerate(self.layers):
             if isinstance(layer, HostLayer):
                 streams = (layer.fetches, layer.appends) if layer.appends is not None else None
-                self.layers[i] = HostAttendedLayer(device, streams, layer.pool, tokens, staging, codec)
+                self.layers[i] = (QuantizedHostAttendedLayer(device, streams, layer.pool, tokens, staging,
+                                                             codecs=layer.codecs)
+                                  if isinstance(layer, QuantizedStates)
+                                  else HostAttendedLayer(device, streams, layer.pool, tokens, staging))
 
 
 class HostAttendingCaches(OffloadedCaches):

@@ -13,14 +13,15 @@ would). A fetch waits for that layer's last appends and for the compute queued b
 targets come from compute's memory): it still runs while the layer before computes. The attention
 code sees exactly the tensors a DynamicCache would give it: the outputs are the same token for token.
 
-With bits 8 or 4 (--kv-bits) every attention layer's K/V, on the device or in host memory, is kept
-as zerolite.quant.kv_codec packs it: quantized as it is appended (at 4 bits, a group of tokens at a
-time, the group being filled held at 16 bits where compute runs), the layer's whole K/V dequantised
-when its attention reads it. The host copies then move the packed bytes.
+With bits 8 or 4 (--kv-bits) every attention layer's K/V, in every tier, is kept as
+zerolite.quant.kv_codec packs it, with the same codecs: quantized as it is appended (at 4 bits the
+keys a group of tokens at a time, the group being filled waiting at 8 bits where compute runs), the
+layer's whole K/V dequantised when its attention reads it. The host copies then move the packed bytes.
 
 A further share of the layers (--kv-disk) keeps its K/V in files under the offload root
-(zerolite.runtime.kv_disk), read one layer ahead as the host layers are fetched; at 4 bits their keys
-are packed token by token, as they are written.
+(zerolite.runtime.kv_disk), read one layer ahead as the host layers are fetched; at 4 bits a group's
+tokens are written once it fills, its keys packed per channel as on the device (the group being
+filled waits where compute runs).
 """
 
 from __future__ import annotations
@@ -167,14 +168,19 @@ class HostLayer(DynamicLayer):
         length, extra = self.keys.shape[-2], key_states.shape[-2]
         if not self._has_room(length + extra):
             self._grow(length + extra)  # not where prefetch made room (a caller's own cache use): waits for the fetch
+        self._copy_in(length, key_states, value_states)
+        self.keys, self.values = (buffer[:length + extra].permute(1, 2, 0, 3) for buffer in self._buffers)
+
+    def _copy_in(self, at: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The new tokens (where compute made them) copied into the host buffers from token at, on
+        the appends stream."""
         stream = self.appends or self.host.compute_stream()
         if self.appends is not None:
             self.host.wait_stream(self.appends, self.host.compute_stream())  # the new keys and values are computed
         for buffer, states in zip(self._buffers, (key_states, value_states)):
-            self.host.copy(buffer[length:length + extra], states.permute(2, 0, 1, 3), stream)
+            self.host.copy(buffer[at:at + states.shape[-2]], states.permute(2, 0, 1, 3), stream)
             self.host.keep_alive(states, stream)  # made by compute, read on the appends' stream
         self._appended = self.host.record(stream)
-        self.keys, self.values = (buffer[:length + extra].permute(1, 2, 0, 3) for buffer in self._buffers)
 
     def _has_room(self, length: int) -> bool:
         """Whether the host buffers hold length tokens and self.keys is still a view of their
@@ -260,7 +266,8 @@ class QuantizedStates:
 
     Where the keys' codec packs a group of tokens at a time (4 bits), the tokens of the group not yet
     full wait in self.recent (their keys at the codec's waiting bits, their values packed), where
-    compute runs, and are stored together when it fills. Attention reads the stored keys decoded, then
+    compute runs (a layer attended on the host keeps them there: where_kept), and are stored
+    together when it fills. Attention reads the stored keys decoded, then
     the waiting ones, this update's and those of a group it fills included: as decoding one token at
     a time reads them, so that a text fed a group at a time, aligned with the groups, reads the same
     K/V as decoding it does. What changes the tokens' columns (a running batch's rows joining,
@@ -284,7 +291,13 @@ class QuantizedStates:
         return 0 if self.recent is None else self.recent[0].shape[-2]
 
     def packed_length(self) -> int:
-        return self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
+        """The tokens stored packed, as the layer under counts them: a layer on disk need not read its file."""
+        return super().get_seq_length()
+
+    def where_kept(self, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This update's packed rows where the layer keeps what waits and decodes what attention
+        reads: where compute made them (a layer attended on the host moves them there)."""
+        return rows
 
     def get_seq_length(self) -> int:
         return super().get_seq_length() + self.recent_length  # a sliding window's: the tokens it has seen
@@ -294,10 +307,10 @@ class QuantizedStates:
         widths = (key_states.shape[-1], value_states.shape[-1])
         self.decoded_as = (dtype, *widths)  # what the packed rows decode to (change_states and crop decode them)
         if self.group == 1:
-            keys, values = super().update(keys_codec.encode(key_states), values_codec.encode(value_states),
-                                          *args, **kwargs)
+            rows = self.where_kept(keys_codec.encode(key_states), values_codec.encode(value_states))
+            keys, values = super().update(*rows, *args, **kwargs)
             return keys_codec.decode(keys, dtype, widths[0]), values_codec.decode(values, dtype, widths[1])
-        waiting, new_values = keys_codec.waiting.encode(key_states), values_codec.encode(value_states)
+        waiting, new_values = self.where_kept(keys_codec.waiting.encode(key_states), values_codec.encode(value_states))
         if self.recent is not None:
             waiting = torch.cat([self.recent[0], waiting], dim=-2)
             new_values = torch.cat([self.recent[1], new_values], dim=-2)
@@ -391,7 +404,8 @@ class QuantizedHostLayer(QuantizedStates, HostLayer):
 
 
 class QuantizedDiskLayer(QuantizedStates, DiskLayer):
-    """A full-attention layer's K/V, quantized, on disk: a step reads and appends packed bytes."""
+    """A full-attention layer's K/V, quantized, on disk: a step reads packed bytes, and writes them
+    where a group of tokens fills (at 4 bits; each token at 8)."""
 
 
 class PartialOffloadCache(DynamicCache):
@@ -416,9 +430,8 @@ class PartialOffloadCache(DynamicCache):
         on_disk = set(disk_layers(self.layers, fraction, disk_fraction))
         for i, layer in enumerate(self.layers):
             if i in on_disk:
-                # a file's rows are written as they come: keys grouped over tokens would be rewritten per group
                 self.layers[i] = (DiskLayer(disk, tokens) if codecs is None
-                                  else QuantizedDiskLayer(disk, tokens, codecs=kv_codecs(bits, by_token=True)))
+                                  else QuantizedDiskLayer(disk, tokens, codecs=codecs))
             elif i in on_host:
                 self.layers[i] = (HostLayer(device, streams, pool, tokens) if codecs is None
                                   else QuantizedHostLayer(device, streams, pool, tokens, codecs=codecs))

@@ -145,6 +145,15 @@ class StagingPool:
         with self._lock:
             self._free.append((buffer, event))
 
+    def wait_for_copies(self) -> None:
+        """Waits for the copies out of the buffers held, before they may be freed: pinned memory freed
+        under a copy is a race (the last step's read, where no write after it waited for compute)."""
+        with self._lock:
+            for _, event in self._free:
+                if event is not None:
+                    event.synchronize()
+            self._free = [(buffer, None) for buffer, _ in self._free]
+
 
 class KVDisk:
     """Where one model's K/V files go: a folder of its own under the offload root (made at the first
@@ -223,9 +232,11 @@ class KVDisk:
             raise self._failure
 
     def close(self) -> None:
-        """Waits for the writes queued and removes the folder with every file still in it."""
+        """Waits for the writes queued and the copies out of the read buffers, and removes the folder
+        with every file still in it."""
         if self._writer is not None:
             self._writer.shutdown(wait=True)
+        self.reads.wait_for_copies()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
