@@ -14,9 +14,10 @@ namespace zerolite {
 
 namespace {
 
-// Everything a path runs for a task is inlined into one function compiled for its instruction
-// set (flatten), whatever GCC's heuristics say: called per row, its pieces kept their vectors on
-// the stack across calls, and went back and forth between AVX and SSE code (3x slower).
+// Everything a task runs is inlined into one function compiled for its path's instruction set
+// (flatten; the vector helpers always_inline), whatever GCC's heuristics say: called per row, the
+// pieces kept their vectors on the stack across calls and went back and forth between AVX and SSE
+// code, 3x slower.
 #define ZEROLITE_KV_INLINE __attribute__((always_inline)) inline
 #define ZEROLITE_KV_TASK __attribute__((flatten))
 
@@ -289,7 +290,8 @@ template <class Isa, KvFloat F>
 void key_group(const KvFormat& f, const KvRows& r, int64_t outer, int64_t first, uint8_t* spread, float* scale) {
   const uint8_t* rows = r.packed + outer * r.packed_outer_stride + first * r.packed_token_stride;
   const int64_t share = f.share_bytes / static_cast<int64_t>(sizeof(Stored<F>));
-  for (int64_t i = 0; i < 2 * f.width; ++i) scale[i] = load_element<F>(rows + (i / share) * r.packed_token_stride, i % share);
+  for (int64_t i = 0; i < 2 * f.width; ++i)
+    scale[i] = load_element<F>(rows + (i / share) * r.packed_token_stride, i % share);
   for (int64_t t = 0; t < f.tokens; ++t) {
     Isa::expand(rows + t * r.packed_token_stride + f.share_bytes, f.width, spread);
     Stored<F>* out = static_cast<Stored<F>*>(r.out) + outer * r.out_outer_stride + (first + t) * r.out_token_stride;
@@ -317,56 +319,58 @@ void decode_units(const KvFormat& f, const KvRows& r, int64_t first, int64_t las
 using Task = void (*)(const KvFormat&, const KvRows&, int64_t, int64_t, uint8_t*, float*);
 
 template <KvFloat F, KvCodes C>
-ZEROLITE_KV_TASK void scalar_units(const KvFormat& f, const KvRows& r, int64_t first, int64_t last, uint8_t* spread, float* scale) {
+ZEROLITE_KV_TASK void scalar_units(const KvFormat& f, const KvRows& r, int64_t first, int64_t last, uint8_t* spread,
+                                   float* scale) {
   decode_units<Scalar, F, C>(f, r, first, last, spread, scale);
 }
 
 #ifdef ZEROLITE_X86
 // GCC leaves out the vzeroupper that the SSE code after them needs (none in the library): given here.
 template <KvFloat F, KvCodes C>
-ZEROLITE_KV_AVX2 ZEROLITE_KV_TASK void avx2_units(const KvFormat& f, const KvRows& r, int64_t first, int64_t last, uint8_t* spread,
-                                 float* scale) {
+ZEROLITE_KV_AVX2 ZEROLITE_KV_TASK void avx2_units(const KvFormat& f, const KvRows& r, int64_t first, int64_t last,
+                                                  uint8_t* spread, float* scale) {
   decode_units<Avx2, F, C>(f, r, first, last, spread, scale);
   _mm256_zeroupper();
 }
 
 template <KvFloat F, KvCodes C>
-ZEROLITE_AVX512 ZEROLITE_KV_TASK void avx512_units(const KvFormat& f, const KvRows& r, int64_t first, int64_t last, uint8_t* spread,
-                                  float* scale) {
+ZEROLITE_AVX512 ZEROLITE_KV_TASK void avx512_units(const KvFormat& f, const KvRows& r, int64_t first, int64_t last,
+                                                   uint8_t* spread, float* scale) {
   decode_units<Avx512, F, C>(f, r, first, last, spread, scale);
   _mm256_zeroupper();
 }
 #endif
 
-enum class Isa { scalar, avx2, avx512 };
+// The instruction sets the kernel has a path for; the CpuPath levels above avx512 take its path.
+enum class Level { scalar, avx2, avx512 };
 
-template <Isa I, KvFloat F, KvCodes C>
+template <Level L, KvFloat F, KvCodes C>
 Task task_of() {
 #ifdef ZEROLITE_X86
-  if constexpr (I == Isa::avx512) return avx512_units<F, C>;
-  if constexpr (I == Isa::avx2) return avx2_units<F, C>;
+  if constexpr (L == Level::avx512) return avx512_units<F, C>;
+  if constexpr (L == Level::avx2) return avx2_units<F, C>;
 #endif
   return scalar_units<F, C>;
 }
 
-template <Isa I, KvFloat F>
+template <Level L, KvFloat F>
 Task task_of(KvCodes codes) {
-  if (codes == KvCodes::int8) return task_of<I, F, KvCodes::int8>();
-  if (codes == KvCodes::int4) return task_of<I, F, KvCodes::int4>();
-  return task_of<I, F, KvCodes::int4_key_groups>();
+  if (codes == KvCodes::int8) return task_of<L, F, KvCodes::int8>();
+  if (codes == KvCodes::int4) return task_of<L, F, KvCodes::int4>();
+  return task_of<L, F, KvCodes::int4_key_groups>();
 }
 
-template <Isa I>
+template <Level L>
 Task task_of(const KvFormat& f) {
-  if (f.dtype == KvFloat::bf16) return task_of<I, KvFloat::bf16>(f.codes);
-  if (f.dtype == KvFloat::fp16) return task_of<I, KvFloat::fp16>(f.codes);
-  return task_of<I, KvFloat::fp32>(f.codes);
+  if (f.dtype == KvFloat::bf16) return task_of<L, KvFloat::bf16>(f.codes);
+  if (f.dtype == KvFloat::fp16) return task_of<L, KvFloat::fp16>(f.codes);
+  return task_of<L, KvFloat::fp32>(f.codes);
 }
 
 Task task_of(const KvFormat& f, CpuPath path) {
-  if (path >= CpuPath::avx512) return task_of<Isa::avx512>(f);
-  if (path >= CpuPath::avx2) return task_of<Isa::avx2>(f);
-  return task_of<Isa::scalar>(f);
+  if (path >= CpuPath::avx512) return task_of<Level::avx512>(f);
+  if (path >= CpuPath::avx2) return task_of<Level::avx2>(f);
+  return task_of<Level::scalar>(f);
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 # Defined through torch.library's Library, not custom_op: a call costs a few microseconds, not tens.
-_LIBRARY = torch.library.Library("zerolite", "DEF")
+_LIBRARY = torch.library.Library("zerolite", "FRAGMENT")  # other zerolite operators may join it
 _LIBRARY.define("kv_decode(Tensor(a!) out, Tensor packed, int codes, int group, int tokens, int share_bytes, "
                 "int outer, int out_outer_stride, int packed_outer_stride) -> ()")
 
