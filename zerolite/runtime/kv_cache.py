@@ -307,13 +307,18 @@ class QuantizedStates:
         keys = self._decoded(dtype, widths[0], stored, waiting, keys_codec.waiting)
         values = self._decoded(dtype, widths[1], stored, new_values, values_codec)
         full = waiting.shape[-2] // self.group * self.group
-        stored_keys, stored_values = super().update(keys_codec.encode(keys[..., stored:stored + full, :]),
-                                                    new_values[..., :full, :], *args, **kwargs)
+        stored_keys, stored_values = self.store(keys_codec.encode(keys[..., stored:stored + full, :]),
+                                                new_values[..., :full, :], *args, **kwargs)
         # cloned where a group was stored: a view would keep the whole of what was concatenated
         self.recent = tuple(rows[..., full:, :].clone() if full else rows for rows in (waiting, new_values))
         keys_codec.decode_into(keys[..., :stored, :], stored_keys[..., :stored, :])
         values_codec.decode_into(values[..., :stored, :], stored_values[..., :stored, :])
         return keys, values
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends whole groups of packed rows (none, most steps) as the class after this one stores
+        them; returns every stored row, where compute runs."""
+        return super().update(keys, values, *args, **kwargs)
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole keys and values [batch, heads, tokens, width] decoded where compute runs
@@ -395,6 +400,11 @@ class QuantizedStates:
 
 class QuantizedDeviceLayer(QuantizedStates, DynamicLayer):
     """A full-attention layer's K/V, quantized, where compute runs."""
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_initialized and not keys.shape[-2]:
+            return self.keys, self.values  # DynamicLayer's torch.cat would copy every stored row for nothing
+        return super().store(keys, values, *args, **kwargs)
 
 
 class QuantizedWindowLayer(QuantizedStates, DynamicSlidingWindowLayer):
