@@ -1,7 +1,8 @@
 """zerolite's CPU kernel for reading packed K/V (csrc/kv_decode.cpp): rows zerolite.quant.kv_codec
-packed decoded into the states attention reads, in one pass at about the memory's speed, where
-torch's elementwise passes (widen, scale, add the zero, each over the whole layer) ran at a sixth
-of it. Bit for bit what those passes give: each product, and each sum, rounded to the states' dtype.
+packed decoded into the states attention reads in one pass, about as fast as a fresh tensor of them
+is written (cloned), where torch's elementwise passes (widen, scale, add the zero, each over the
+whole layer) ran 2 to 8 times slower. Bit for bit what those passes give: each product, and each
+sum, rounded to the states' dtype.
 
     if not decode(out, packed, INT4, group=128):    # out: [..., tokens, width], a view of a larger tensor may be
         ...                                          # not here: the codec's torch passes
