@@ -12,6 +12,7 @@
 
 #include "cpu_matmul.h"
 #include "io_engine.h"
+#include "kv_decode.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -142,5 +143,20 @@ NB_MODULE(_engine, m) {
         zerolite::bf16_matmul(weight, r, static_cast<zerolite::CpuPath>(path), threads);
       },
       "x"_a, "rows"_a, "x_stride"_a, "y"_a, "y_stride"_a, "w"_a, "out_features"_a, "in_features"_a, "path"_a,
+      "threads"_a, nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "kv_decode",
+      [](int codes, int dtype, std::int64_t width, std::int64_t group, std::int64_t tokens, std::int64_t share_bytes,
+         std::uintptr_t packed, std::int64_t packed_outer_stride, std::int64_t packed_token_stride, std::uintptr_t out,
+         std::int64_t out_outer_stride, std::int64_t out_token_stride, std::int64_t outer, std::int64_t rows, int path,
+         int threads) {
+        zerolite::KvFormat format{static_cast<zerolite::KvCodes>(codes), static_cast<zerolite::KvFloat>(dtype), width,
+                                  group, tokens, share_bytes};
+        zerolite::KvRows r{reinterpret_cast<const std::uint8_t*>(packed), packed_outer_stride, packed_token_stride,
+                           reinterpret_cast<void*>(out), out_outer_stride, out_token_stride, outer, rows};
+        zerolite::kv_decode(format, r, static_cast<zerolite::CpuPath>(path), threads);
+      },
+      "codes"_a, "dtype"_a, "width"_a, "group"_a, "tokens"_a, "share_bytes"_a, "packed"_a, "packed_outer_stride"_a,
+      "packed_token_stride"_a, "out"_a, "out_outer_stride"_a, "out_token_stride"_a, "outer"_a, "rows"_a, "path"_a,
       "threads"_a, nb::call_guard<nb::gil_scoped_release>());
 }

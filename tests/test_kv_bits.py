@@ -98,11 +98,12 @@ def test_the_key_group_codec_decodes_as_the_plain_per_channel_round_trip(dtype):
         assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 16, kv_key_row_bytes(width, dtype, 4, 8))
         expected = reference_key_groups(states, 8)
         waiting = torch.randn(2, 3, 5, width).to(dtype)
-        decoded = codec.decode(packed, dtype, width, then=waiting)
-        assert decoded.dtype == dtype and decoded.shape == (2, 3, 21, width)
+        decoded = torch.empty(2, 3, 21, width, dtype=dtype)
+        decoded[..., 16:, :] = waiting  # the keys waiting follow the stored groups in the tensor attention reads
+        codec.decode_into(decoded[..., :16, :], packed)
         tolerance = 2 * torch.finfo(dtype).eps * expected.abs().amax(-2, keepdim=True)
         assert ((decoded[..., :16, :].float() - expected).abs() <= tolerance).all()
-        assert torch.equal(decoded[..., 16:, :], waiting)  # the tokens that follow, as given
+        assert torch.equal(decoded[..., 16:, :], waiting)  # the tokens that follow, untouched
         assert not decoded[1, 2, 8:16].any()
         assert not codec.decode(torch.zeros_like(packed), dtype, width).any()  # a row joining a batch
     # why per channel: the outlying channels take a token's 16 levels, not the rest's

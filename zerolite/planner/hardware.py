@@ -151,15 +151,20 @@ class Hardware:
         return replace(self, **given, sources=sources)
 
 
+# where the codec's timings are recorded: not "kv_codec", which holds the torch passes' from before
+# the CPU decode kernel (zerolite.quant.kv_decode), several times slower
+KV_CODEC_RECORD = "kv_codec with the decode kernel"
+
+
 def kv_codec(target, dtype: torch.dtype, key: str) -> dict[int, dict[str, float]]:
     """The K/V codec's timings on target (zerolite.planner.kv_probe), as recorded under key or timed now."""
     from zerolite.planner.kv_probe import probe_kv_codec
 
-    codec = measurements.value(key, "kv_codec")
+    codec = measurements.value(key, KV_CODEC_RECORD)
     if codec is None:
         with planner_part("time this machine's K/V codec"), measuring("compute: K/V at 8 and 4 bits"):
             codec = probe_kv_codec(target, dtype)
-        measurements.record(key, codec, "kv_codec")
+        measurements.record(key, codec, KV_CODEC_RECORD)
     return {int(bits): rates for bits, rates in codec.items()}
 
 

@@ -6,8 +6,9 @@ token costs a layer, and what dequantising the layer's K/V costs per element, wi
     rates[4]["decode_s"]      # seconds per K/V element dequantised where attention reads it
     rates[4]["encode_s"]      # seconds to quantize one step's new keys (or values) of one layer
 
-Both are real costs on a CPU: the codec's elementwise passes run at a fraction of a memcpy's rate,
-and quantizing a token is a dozen small ops whose fixed cost is most of it, twice per layer and step.
+Both are real costs on a CPU: decoding (zerolite.quant.kv_decode's kernel, one pass) writes twice
+the bytes it reads, and quantizing a token is a dozen small ops whose fixed cost is most of it,
+twice per layer and step.
 A GPU described by flags has no probe: its codec runs at its memory bandwidth
 (zerolite.planner.kv_costs.described_codec).
 """

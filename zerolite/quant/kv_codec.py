@@ -6,6 +6,10 @@ head, so that the cache holds one uint8 tensor [batch, heads, tokens, row bytes]
     packed = values_codec.encode(value_states)          # quantized as appended
     values = values_codec.decode(packed, torch.bfloat16, 64)  # dequantised where attention reads them
     packed = keys_codec.encode(key_states)              # at 4 bits: whole groups of keys_codec.tokens tokens
+    keys_codec.decode_into(keys[..., :stored, :], packed)  # into a tensor given: a view of a larger one may be
+
+Decoding runs on the CPU through zerolite.quant.kv_decode's kernel, in one pass, and elsewhere (a
+GPU) through torch's elementwise passes (torch_decode_into), each in place: the two alike bit for bit.
 
 KVCodec quantizes every token on its own, group-wise along its channels: a row is [scales | zeros
 (4 bits only) | codes], a scale (and a zero) in the states' dtype for each group of channels
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerolite import memory_model
+from zerolite.quant import kv_decode
 from zerolite.memory_model import kv_group_size, kv_key_row_bytes, kv_key_share, kv_row_bytes
 
 INT8_LIMIT = 127  # symmetric: -127..127, so that code * scale never passes the group's largest magnitude
@@ -69,22 +74,36 @@ class KVCodec:
         return torch.cat(rows, dim=-1)
 
     def decode(self, packed: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
-        """The [..., width] states in dtype that packed rows hold. Decoded in dtype, in place: the
-        layer read holds nothing wider than its states (zerolite.memory_model.kv_decode_bytes_per_token)."""
+        """The [..., width] states in dtype that packed rows hold."""
+        return self.decode_into(torch.empty((*packed.shape[:-1], width), dtype=dtype, device=packed.device), packed)
+
+    def decode_into(self, out: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """Writes the states packed rows hold into out ([..., width] in the states' dtype; a view of
+        a larger tensor may be, so that a layer read holds its K/V once). Returns out."""
+        width = out.shape[-1]
+        codes = kv_decode.INT8 if self.bits == 8 else kv_decode.INT4
+        if not kv_decode.decode(out, packed, codes, group=kv_group_size(width)):
+            self.torch_decode_into(out, packed)
+        return out
+
+    def torch_decode_into(self, out: torch.Tensor, packed: torch.Tensor) -> None:
+        """decode_into with torch's elementwise passes, where the CPU kernel does not run (a GPU):
+        each in place in out, so nothing wider than the states is held."""
+        dtype, width = out.dtype, out.shape[-1]
         groups = width // kv_group_size(width)
         scale_bytes = groups * dtype.itemsize
         scale = packed[..., :scale_bytes].view(dtype).unsqueeze(-1)
         codes = packed[..., scale_bytes * (2 if self.bits == 4 else 1):]
+        states = out.unflatten(-1, (groups, -1))
         if self.bits == 8:
-            states = codes[..., :width].view(torch.int8).to(dtype)
-            return states.unflatten(-1, (groups, -1)).mul_(scale).flatten(-2)
+            states.copy_(codes[..., :width].view(torch.int8).unflatten(-1, (groups, -1)))
+            states.mul_(scale)
+            return
         zero = packed[..., scale_bytes:2 * scale_bytes].view(dtype).unsqueeze(-1)
         nibbles = codes[..., :(width + 1) // 2]
-        states = torch.empty((*packed.shape[:-1], 2 * nibbles.shape[-1]), dtype=dtype, device=packed.device)
-        states[..., 0::2] = nibbles & 0xF
-        states[..., 1::2] = nibbles >> 4
-        states = states[..., :width].unflatten(-1, (groups, -1))
-        return states.mul_(scale).add_(zero).flatten(-2)
+        out[..., 0::2] = nibbles & 0xF
+        out[..., 1::2] = (nibbles >> 4)[..., :width // 2]
+        states.mul_(scale).add_(zero)
 
 
 @dataclass(frozen=True)
@@ -115,25 +134,30 @@ class KeyGroupCodec:
             rows.append(rows[-1].new_zeros((*rows[-1].shape[:-1], padding)))
         return torch.cat(rows, dim=-1).flatten(-3, -2)
 
-    def decode(self, packed: torch.Tensor, dtype: torch.dtype, width: int,
-               then: torch.Tensor | None = None) -> torch.Tensor:
-        """The [..., width] states in dtype that packed rows (whole groups) hold, followed by then's
-        tokens where given (states in dtype: the keys still waiting), decoded into the one tensor
-        returned: the layer read holds its keys once."""
-        stored, following = packed.shape[-2], 0 if then is None else then.shape[-2]
-        states = torch.empty((*packed.shape[:-2], stored + following, width), dtype=dtype, device=packed.device)
-        if following:
-            states[..., stored:, :] = then
+    def decode(self, packed: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """The [..., width] states in dtype that packed rows (whole groups) hold."""
+        return self.decode_into(torch.empty((*packed.shape[:-1], width), dtype=dtype, device=packed.device), packed)
+
+    def decode_into(self, out: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """Writes the states packed rows (whole groups) hold into out ([..., width] in the states'
+        dtype; a view of a larger tensor may be: the keys waiting follow them there). Returns out."""
+        share_bytes = kv_key_share(out.shape[-1], self.tokens) * out.dtype.itemsize
+        if not kv_decode.decode(out, packed, kv_decode.INT4_KEY_GROUPS, tokens=self.tokens, share_bytes=share_bytes):
+            self.torch_decode_into(out, packed)
+        return out
+
+    def torch_decode_into(self, out: torch.Tensor, packed: torch.Tensor) -> None:
+        """decode_into with torch's elementwise passes, in place in out, where the CPU kernel does not run."""
+        dtype, width = out.dtype, out.shape[-1]
         rows = packed.unflatten(-2, (-1, self.tokens))  # [..., groups, tokens, row bytes]
         share_bytes = kv_key_share(width, self.tokens) * dtype.itemsize
         block = rows[..., :share_bytes].view(dtype).flatten(-2)[..., :2 * width].unsqueeze(-2)
         scale, zero = block[..., :width], block[..., width:]
         nibbles = rows[..., share_bytes:share_bytes + (width + 1) // 2]
-        groups = states[..., :stored, :].unflatten(-2, (-1, self.tokens))  # a view: decoded in place
+        groups = out.unflatten(-2, (-1, self.tokens))  # a view: decoded in place
         groups[..., 0::2] = nibbles & 0xF
         groups[..., 1::2] = (nibbles >> 4)[..., :width // 2]
         groups.mul_(scale).add_(zero)
-        return states
 
 
 def kv_codecs(bits: int, by_token: bool = False) -> tuple[KVCodec | KeyGroupCodec, KVCodec]:

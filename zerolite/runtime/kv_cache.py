@@ -314,14 +314,24 @@ class QuantizedStates:
         if self.recent is not None:
             waiting = torch.cat([self.recent[0], waiting], dim=-2)
             new_values = torch.cat([self.recent[1], new_values], dim=-2)
-        waiting_keys = keys_codec.waiting.decode(waiting, dtype, widths[0])
-        full, stored = waiting.shape[-2] // self.group * self.group, self.packed_length()
-        keys, values = super().update(keys_codec.encode(waiting_keys[..., :full, :]), new_values[..., :full, :],
-                                      *args, **kwargs)
+        # what attention reads, decoded into one tensor each: the stored groups, then the waiting rows
+        # (the keys at the waiting codec's bits, this update's and those of a group it fills included)
+        stored = self.packed_length()
+        keys = self._decoded(dtype, widths[0], stored, waiting, keys_codec.waiting)
+        values = self._decoded(dtype, widths[1], stored, new_values, values_codec)
+        full = waiting.shape[-2] // self.group * self.group
+        stored_keys, stored_values = self.store(keys_codec.encode(keys[..., stored:stored + full, :]),
+                                                new_values[..., :full, :], *args, **kwargs)
         # cloned where a group was stored: a view would keep the whole of what was concatenated
         self.recent = tuple(rows[..., full:, :].clone() if full else rows for rows in (waiting, new_values))
-        return (keys_codec.decode(keys[..., :stored, :], dtype, widths[0], then=waiting_keys),
-                values_codec.decode(torch.cat([values[..., :stored, :], new_values], dim=-2), dtype, widths[1]))
+        keys_codec.decode_into(keys[..., :stored, :], stored_keys[..., :stored, :])
+        values_codec.decode_into(values[..., :stored, :], stored_values[..., :stored, :])
+        return keys, values
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends whole groups of packed rows (none, most steps) as the class after this one stores
+        them; returns every stored row, where compute runs."""
+        return super().update(keys, values, *args, **kwargs)
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole keys and values [batch, heads, tokens, width] decoded where compute runs
@@ -329,11 +339,21 @@ class QuantizedStates:
         (keys_codec, values_codec), (dtype, key_width, value_width) = self.codecs, self.decoded_as
         if self.group == 1:
             return keys_codec.decode(self.keys, dtype, key_width), values_codec.decode(self.values, dtype, value_width)
-        device = self.recent[0].device
-        keys = keys_codec.decode(self.keys.to(device), dtype, key_width,
-                                 then=keys_codec.waiting.decode(self.recent[0], dtype, key_width))
-        values = values_codec.decode(torch.cat([self.values.to(device), self.recent[1]], dim=-2), dtype, value_width)
+        stored, (waiting, recent_values) = self.packed_length(), self.recent
+        keys = self._decoded(dtype, key_width, stored, waiting, keys_codec.waiting)
+        values = self._decoded(dtype, value_width, stored, recent_values, values_codec)
+        if stored:
+            keys_codec.decode_into(keys[..., :stored, :], self.keys.to(waiting.device))
+            values_codec.decode_into(values[..., :stored, :], self.values.to(waiting.device))
         return keys, values
+
+    @staticmethod
+    def _decoded(dtype: torch.dtype, width: int, stored: int, rows: torch.Tensor, codec: KVCodec) -> torch.Tensor:
+        """States for stored tokens followed by rows' (packed by codec, decoded into place here); the
+        stored tokens' are the caller's to decode into the first columns."""
+        states = torch.empty((*rows.shape[:-2], stored + rows.shape[-2], width), dtype=dtype, device=rows.device)
+        codec.decode_into(states[..., stored:, :], rows)
+        return states
 
     def change_states(self, change) -> None:
         """Applies change to the keys and values ([batch, heads, columns, width] -> the same, the
@@ -393,6 +413,11 @@ class QuantizedStates:
 
 class QuantizedDeviceLayer(QuantizedStates, DynamicLayer):
     """A full-attention layer's K/V, quantized, where compute runs."""
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_initialized and not keys.shape[-2]:
+            return self.keys, self.values  # DynamicLayer's torch.cat would copy every stored row for nothing
+        return super().store(keys, values, *args, **kwargs)
 
 
 class QuantizedWindowLayer(QuantizedStates, DynamicSlidingWindowLayer):
