@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -40,8 +42,10 @@ def tiny(request, make_source, make_layout):
     return layout_and_reference(request.param, make_source, make_layout)
 
 
+@functools.cache  # per session (make_source and make_layout are the session's): every test of a family shares them
 def layout_and_reference(arch: str, make_source, make_layout):
-    """A tiny random model of one architecture: its layout, and transformers' own outputs per device."""
+    """A tiny random model of one architecture: its layout, and transformers' own outputs per device,
+    each worked out the first time it is asked for."""
     source = make_source(arch, layers=LAYERS)
     references = {}
 
@@ -104,8 +108,16 @@ def test_the_tiny_models_do_not_repeat_one_token(tiny):
     assert any(len(set(row.tolist())) > 1 for row in new), new
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4])
-@pytest.mark.parametrize("setup", SETUPS)
+def ring_cases(device_of_its_own: bool) -> list:
+    """(setup, depth): the ring's depth decides what is read (and on a device of its own, copied)
+    ahead, so every depth runs where blocks are; where nothing is (every layer resident; on a CPU,
+    layers in host memory, bound where they lie: Executor._transferred), depth 2 stands for the others."""
+    moved = ("nvme", "cpu") if device_of_its_own else ("nvme",)
+    return ([pytest.param(setup, depth, id=f"{setup}-{depth}") for setup in moved for depth in (1, 2, 4)]
+            + [pytest.param(setup, 2, id=f"{setup}-2") for setup in SETUPS if setup not in moved])
+
+
+@pytest.mark.parametrize("setup, depth", ring_cases(device_of_its_own=False))
 def test_cpu_generation_equals_transformers(tiny, setup, depth):
     check_equal(tiny, SETUPS[setup], depth, "cpu")
 
@@ -116,8 +128,7 @@ def test_cpu_generation_with_tiers_and_kv_offload_equals_transformers(tiny, setu
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("depth", [1, 2, 4])
-@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("setup, depth", ring_cases(device_of_its_own=True))
 def test_gpu_generation_equals_transformers(tiny, setup, depth, gpu):
     """nvme and cpu with no GPU memory for resident layers: every layer goes through the ring, from
     disk or from host memory. none: every layer resident on the GPU (the one resident case)."""

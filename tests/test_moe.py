@@ -93,8 +93,15 @@ def depths(swept: tuple[str, ...]) -> list:
         pytest.param(arch, depth, id=f"{arch}-{depth}") for arch in swept for depth in (1, 4)]
 
 
-@pytest.mark.parametrize("tiny, depth", depths(("mixtral", "qwen2_moe", "gpt_oss")), indirect=["tiny"])
-@pytest.mark.parametrize("setup", ["nvme", "cpu"])
+def on_a_cpu() -> list:
+    """From disk, depths(...); from host memory, where a CPU binds the layers where they lie and
+    reads nothing ahead (test_executor.ring_cases), every family at depth 2."""
+    return [pytest.param("nvme", *case.values, id=f"nvme-{case.id}") for case in depths(("mixtral", "qwen2_moe",
+                                                                                           "gpt_oss"))] + [
+        pytest.param("cpu", arch, 2, id=f"cpu-{arch}-2") for arch in MOE_SHAPES]
+
+
+@pytest.mark.parametrize("setup, tiny, depth", on_a_cpu(), indirect=["tiny"])
 def test_moe_generation_streamed_per_expert_equals_transformers(tiny, setup, depth):
     check_equal(tiny, SETUPS[setup], depth, "cpu")
 

@@ -1,7 +1,7 @@
 """Data parallel under torchrun: two ranks (gloo on loopback) write what one process writes, share
 one host copy per node, survive a rank's SIGKILL by a rerun, and end bad input in one line.
 
-Each case starts real torchrun jobs (a few seconds each): through the command line, and through
+Most cases start real torchrun jobs (a few seconds each): through the command line, and through
 the Python API (tests/rank_worker.py) on the CPU, on simulated asynchronous devices and on GPUs.
 """
 
@@ -20,11 +20,13 @@ import pytest
 import torch
 
 import zerolite
+import zerolite.cli.ranks
 import zerolite.runtime.loader
 import zerolite.runtime.policy
-from support.cli_runner import run
+from support.cli_runner import assert_one_line_error, run
 from support.helpers import generate_args, lines_by_id
 from support.simulated_device import SimulatedDevice
+from zerolite.cli import main as cli
 from zerolite.distributed.world import World, failed_line
 from zerolite.errors import ZeroliteError
 from zerolite.io.device import CudaDevice, resolve
@@ -44,20 +46,24 @@ def layout(make_layout):
     return make_layout("llama", layers=LAYERS)
 
 
-@pytest.fixture
-def prompts(tmp_path) -> Path:
-    path = tmp_path / "prompts.jsonl"
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ranks") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": list(range(3 + i, 8 + 2 * i))}) + "\n"
                             for i in range(PROMPTS)))
     return path
 
 
-@pytest.fixture
-def reference(capsys, monkeypatch, tmp_path, layout, prompts) -> Path:
-    """One process's output, run in this one."""
-    output = tmp_path / "one-process.jsonl"
-    assert run(capsys, monkeypatch,
-               *generate_args(layout, prompts, output, batch=BATCH, new_tokens=NEW_TOKENS)).code == 0
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, layout, prompts) -> Path:
+    """One process's output, run in this one (once: every job of this module compares with it)."""
+    output = tmp_path_factory.mktemp("one-process") / "one-process.jsonl"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(sys, "argv", ["zerolite", *map(str, generate_args(layout, prompts, output, batch=BATCH,
+                                                                              new_tokens=NEW_TOKENS))])
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main()
+    assert exit_info.value.code == 0
     return output
 
 
@@ -232,10 +238,19 @@ def test_a_rank_killed_mid_run_then_a_rerun_each_on_its_own_device(tmp_path, lay
     kill_and_rerun(tmp_path, layout, prompts, reference, "cuda" if gpu == "cuda" else "sim")
 
 
-def test_a_world_with_no_work_for_some_ranks(tmp_path, layout, prompts):
-    result = torchrun("-m", "zerolite", *generate_args(layout, prompts, tmp_path / "out.jsonl", batch=PROMPTS,
-                                                        new_tokens=NEW_TOKENS))
-    assert_one_error(result, "10 prompts in batches of 10 make 1 batch, too few for 2 ranks", "--batch-size")
+def as_rank_0_of_two(monkeypatch) -> None:
+    """The command line in this process plays rank 0 of two ranks that were given the same command:
+    what both would refuse is refused here, in the line rank 0 prints (that the other rank then
+    prints nothing, and that each gather carries a rank's refusal, is the real ranks' part:
+    test_mismatched_arguments_across_nodes and test_a_layout_missing_on_one_node)."""
+    monkeypatch.setattr(zerolite.cli.ranks, "World", SimpleNamespace(from_env=lambda: OneProcessWorld(2, [])))
+
+
+def test_a_world_with_no_work_for_some_ranks(tmp_path, layout, prompts, capsys, monkeypatch):
+    as_rank_0_of_two(monkeypatch)
+    result = run(capsys, monkeypatch, *generate_args(layout, prompts, tmp_path / "out.jsonl", batch=PROMPTS,
+                                                      new_tokens=NEW_TOKENS))
+    assert_one_line_error(result, "10 prompts in batches of 10 make 1 batch, too few for 2 ranks", "--batch-size")
     assert "plan:" not in result.stderr, "refused before loading"
     assert not (tmp_path / "out.jsonl").read_text()
 
@@ -250,9 +265,10 @@ def test_profile_reports_each_rank_and_the_job(layout):
     assert all(r["streamed_bytes_per_step"] > 0 for r in report["ranks"])
 
 
-def test_serve_refuses_ranks(layout):
-    result = torchrun("-m", "zerolite", "serve", "--model", str(layout), "--port", "0")
-    assert_one_error(result, "zerolite serve runs as one process, and torchrun started 2")
+def test_serve_refuses_ranks(layout, capsys, monkeypatch):
+    as_rank_0_of_two(monkeypatch)
+    result = run(capsys, monkeypatch, "serve", "--model", str(layout), "--port", "0")
+    assert_one_line_error(result, "zerolite serve runs as one process, and torchrun started 2")
 
 
 def test_mismatched_arguments_across_nodes(tmp_path, layout, prompts):

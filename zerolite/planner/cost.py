@@ -41,7 +41,7 @@ from zerolite.memory_model import prefill_activation_bytes
 from zerolite.planner.compute_probe import LAYER_CONTEXT
 from zerolite.planner.cpu_experts import cpu_layer_seconds
 from zerolite.planner.hardware import RUNTIME_BYTES, Hardware, at
-from zerolite.planner.kv_costs import kv_memory, kv_step
+from zerolite.planner.kv_costs import KvStep, kv_memory, kv_step
 from zerolite.planner.model_costs import ModelCosts
 
 WRONG_GUESSES = 0.45   # experts per layer read early on a guess that no token then picks
@@ -93,14 +93,102 @@ class Prediction:
         return self.host_bytes <= hardware.host_ram and (not hardware.gpu or self.gpu_bytes <= hardware.gpu_ram)
 
 
-def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Prediction:
+class Rates:
+    """What a layer's work, the step's own and the head's take at a count of rows, for one model on
+    one machine: the search prices tens of thousands of candidates that ask for the same few row
+    counts (each an interpolation of probed figures), so each answer is kept once worked out."""
+
+    def __init__(self, costs: ModelCosts, hardware: Hardware):
+        self.costs, self.hardware = costs, hardware
+        self._kept: dict[tuple, object] = {}
+
+    def _once(self, key: tuple, work):
+        if key not in self._kept:
+            self._kept[key] = work()
+        return self._kept[key]
+
+    def matmuls(self, weights: str, rows: float, positions: float) -> float:
+        costs, hardware = self.costs, self.hardware
+
+        def work() -> float:
+            itemsize = costs.dtype.itemsize
+            seconds = hardware.seconds(weights, costs.dense_weights, rows, itemsize)
+            if costs.experts:
+                picked = costs.expected_experts(rows)
+                seconds += picked * hardware.seconds("stored", costs.expert_weights,
+                                                     rows * costs.experts_per_token / picked, itemsize)
+            return seconds + hardware.flop_seconds(4 * rows * positions * costs.attention_width)
+        return self._once(("matmuls", weights, rows, positions), work)
+
+    def beyond(self, rows: float) -> float:
+        """What the probe of the model's own layer took beyond its matmuls (norms, attention's small
+        ops, routing), at a batch probed or between two."""
+        return self._once(("beyond", rows), lambda: max(at(self.hardware.layer_seconds, rows)
+                                                        - self.matmuls("stored", rows, LAYER_CONTEXT), 0.0))
+
+    def layer(self, weights: str, rows: int, tokens_in_context: float, prefill: bool) -> float:
+        """One layer's compute for rows rows, each attending over tokens_in_context positions."""
+        return self._once(("layer", weights, rows, tokens_in_context, prefill),
+                          lambda: self._layer(weights, rows, tokens_in_context, prefill))
+
+    def _layer(self, weights: str, rows: int, tokens_in_context: float, prefill: bool) -> float:
+        # a causal prefill attends to half, on average
+        positions = tokens_in_context / 2 if prefill else tokens_in_context
+        own = self.matmuls(weights, rows, positions)
+        if self.hardware.layer_seconds is None:
+            return own
+        before, last = sorted(self.hardware.layer_seconds)[-2:]
+        if rows <= last:
+            return own + self.beyond(rows)
+        # Past the largest batch probed, on the line through the last two: a cost per op stays, a
+        # cost per row grows. In proportion to the rows instead, a memory-bound layer's timing noise
+        # at 16 rows (where a busy machine's probe may stop) became seconds at a prefill's thousands.
+        return own + self.beyond(last) + max(self.beyond(last) - self.beyond(before), 0.0) * (rows - last) / (
+            last - before)
+
+    def step_overhead(self, rows: int, sequences: int) -> float:
+        """A step's cost besides its layers over rows rows, and the head's over sequences rows (one a sequence)."""
+        costs, hardware = self.costs, self.hardware
+        return self._once(("step", rows, sequences),
+                          lambda: (at(hardware.step_seconds, rows) if hardware.step_seconds else 0.0)
+                          + hardware.seconds("stored", costs.head_weights, sequences, costs.dtype.itemsize))
+
+    def gpu_experts(self, rows: int) -> float:
+        """What the GPU's matmuls of a layer's routed experts take (as matmuls() counts them)."""
+        costs = self.costs
+
+        def work() -> float:
+            picked = costs.expected_experts(rows)
+            return picked * self.hardware.seconds("stored", costs.expert_weights,
+                                                  rows * costs.experts_per_token / picked, costs.dtype.itemsize)
+        return self._once(("gpu experts", rows), work)
+
+    def cpu_experts(self, rows: int) -> float:
+        return self._once(("cpu experts", rows), lambda: cpu_layer_seconds(self.costs, self.hardware, rows))
+
+    def kv_step(self, c: Candidate, tokens_in_context: float, prefill: bool) -> KvStep:
+        """zerolite.planner.kv_costs.kv_step, by what of c it reads: the K/V's and the batch's."""
+        key = ("kv step", *kv_fields(c), tokens_in_context, prefill)
+        return self._once(key, lambda: kv_step(self.costs, self.hardware, c, c.batch_size, tokens_in_context, prefill))
+
+    def batch_memory(self, c: Candidate, job: Job) -> tuple[float, float]:
+        return self._once(("batch memory", *kv_fields(c), job), lambda: batch_memory(self.costs, self.hardware, c, job))
+
+
+def kv_fields(c: Candidate) -> tuple:
+    """What of a candidate its batch's K/V and activations depend on."""
+    return c.batch_size, c.micro_batches, c.kv_bits, c.kv_offload, c.kv_disk, c.kv_attention
+
+
+def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job, rates: Rates | None = None) -> Prediction:
+    """rates: the search's, kept across its candidates (else one for this prediction)."""
+    rates = rates or Rates(costs, hardware)
     fmt = costs.formats[c.weights]
     b, layers = c.batch_size, costs.layers
     disk_layers = layers - c.host_layers - c.gpu_layers
     streamed_layers = layers - c.gpu_layers
     context = job.prompt_tokens + job.new_tokens / 2  # a decode step's, on average
     micro = -(-b // c.micro_batches)  # sequences in a micro-batch
-    itemsize = costs.dtype.itemsize
 
     dense_part = fmt.layer_bytes - costs.experts * fmt.expert_bytes  # a mixture's layer less its experts
 
@@ -113,42 +201,6 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         picked = costs.expected_experts(tokens)
         wrong = min(WRONG_GUESSES, costs.experts - picked) if guessed else 0.0
         return fmt.layer_bytes - (costs.experts - picked - wrong) * fmt.expert_bytes
-
-    def matmuls(weights: str, rows: int, positions: float) -> float:
-        seconds = hardware.seconds(weights, costs.dense_weights, rows, itemsize)
-        if costs.experts:
-            picked = costs.expected_experts(rows)
-            seconds += picked * hardware.seconds("stored", costs.expert_weights,
-                                                 rows * costs.experts_per_token / picked, itemsize)
-        return seconds + hardware.flop_seconds(4 * rows * positions * costs.attention_width)
-
-    def beyond(rows: float) -> float:
-        """What the probe of the model's own layer took beyond its matmuls (norms, attention's small
-        ops, routing), at a batch probed or between two."""
-        return max(at(hardware.layer_seconds, rows) - matmuls("stored", rows, LAYER_CONTEXT), 0.0)
-
-    def layer_compute(rows: int, tokens_in_context: float, prefill: bool) -> float:
-        # a causal prefill attends to half, on average
-        positions = tokens_in_context / 2 if prefill else tokens_in_context
-        own = matmuls(c.weights, rows, positions)
-        if hardware.layer_seconds is None:
-            return own
-        before, last = sorted(hardware.layer_seconds)[-2:]
-        if rows <= last:
-            return own + beyond(rows)
-        # Past the largest batch probed, on the line through the last two: a cost per op stays, a
-        # cost per row grows. In proportion to the rows instead, a memory-bound layer's timing noise
-        # at 16 rows (where a busy machine's probe may stop) became seconds at a prefill's thousands.
-        return own + beyond(last) + max(beyond(last) - beyond(before), 0.0) * (rows - last) / (last - before)
-
-    def step_overhead(rows: int) -> float:
-        return at(hardware.step_seconds, rows) if hardware.step_seconds else 0.0
-
-    def gpu_experts(rows: int) -> float:
-        """What the GPU's matmuls of a layer's routed experts take (as matmuls() counts them)."""
-        picked = costs.expected_experts(rows)
-        return picked * hardware.seconds("stored", costs.expert_weights, rows * costs.experts_per_token / picked,
-                                         itemsize)
 
     def dequantize() -> float:
         """A described GPU's dequantisation of a streamed quantized layer (read its codes, write and
@@ -170,23 +222,22 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
         # their copies only the dense part, their experts' time the CPU's instead of the GPU's.
         on_cpu = c.cpu_expert_layers / streamed_layers if c.cpu_expert_layers else 0.0
         copied = (1 - on_cpu) * moved + (0 if kept else on_cpu * dense_part)
-        one = c.micro_batches * cpu_layer_seconds(costs, hardware, micro * tokens) if on_cpu else 0.0
+        one = c.micro_batches * rates.cpu_experts(micro * tokens) if on_cpu else 0.0
         cpu = c.cpu_expert_layers * one
-        instead = on_cpu * (one - c.micro_batches * gpu_experts(micro * tokens)) if on_cpu else 0.0
+        instead = on_cpu * (one - c.micro_batches * rates.gpu_experts(micro * tokens)) if on_cpu else 0.0
         disk = disk_layers * moved / rate
         if costs.experts and disk_layers and not kept:
             # The first layer read from disk has no layer before it to guess its experts (nor to
             # guess wrong): they are read once its router has picked them, with nothing to overlap.
             disk += (step_bytes(rows, guessed=False) - moved + costs.expected_experts(rows) * fmt.expert_bytes) / rate
-        kv = kv_step(costs, hardware, c, b, tokens_in_context, prefill)
+        kv = rates.kv_step(c, tokens_in_context, prefill)
         disk += kv.disk_s
         copy = kv.copy_s
         if hardware.gpu:
             copy += streamed_layers * copied / (hardware.h2d_gbps * 1e9)
-        one_pass = layer_compute(micro * tokens, tokens_in_context, prefill)
+        one_pass = rates.layer(c.weights, micro * tokens, tokens_in_context, prefill)
         per_layer = c.micro_batches * one_pass
-        compute = layers * per_layer + c.micro_batches * (
-            step_overhead(micro * tokens) + hardware.seconds("stored", costs.head_weights, micro, itemsize))
+        compute = layers * per_layer + c.micro_batches * rates.step_overhead(micro * tokens, micro)
         compute += kv.compute_s
         per_layer += kv.compute_s / layers  # attention over each layer's K/V, as it computes
         cpu += kv.cpu_s
@@ -225,7 +276,7 @@ def predict(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job) -> Pr
     bottleneck = max((disk, "disk"), (copy, "copy"), (compute, "cpu" if 2 * cpu > compute else "compute"))[1]
 
     held_host, held_gpu = weight_memory(costs, hardware, c)
-    batch_host, batch_gpu = batch_memory(costs, hardware, c, job)
+    batch_host, batch_gpu = rates.batch_memory(c, job)
     host_tier = c.host_layers * engine.host_bytes(fmt.layer_bytes)  # as Plan.make counts a layer held in host memory
     fill = host_tier / (hardware.fill_gbps * 1e9)
     if hardware.gpu:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from zerolite.planner.cost import Candidate, Job, Prediction, predict
+from zerolite.planner.cost import Candidate, Job, Prediction, Rates, predict
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.model_costs import ModelCosts
 
@@ -25,14 +25,15 @@ EXPERTS_PINS = ("auto", "device", "routed", "cpu")  # plan's: routed is device's
 
 
 def experts_sides(costs: ModelCosts, hardware: Hardware, c: Candidate, job: Job, experts: str | None,
-                  cpu_expert_layers: int | None = None) -> list[Prediction]:
-    """c priced with each count of layers on the CPU worth trying (experts: the pin, None for auto)."""
+                  cpu_expert_layers: int | None = None, rates: Rates | None = None) -> list[Prediction]:
+    """c priced with each count of layers on the CPU worth trying (experts: the pin, None for auto;
+    rates: the search's, zerolite.planner.cost.Rates)."""
     streamed = costs.layers - c.gpu_layers
     if not (hardware.gpu and costs.experts and streamed):
-        return [predict(costs, hardware, c, job)]
+        return [predict(costs, hardware, c, job, rates)]
 
     def on_cpu(count: int) -> Prediction:
-        return predict(costs, hardware, dataclasses.replace(c, cpu_expert_layers=count), job)
+        return predict(costs, hardware, dataclasses.replace(c, cpu_expert_layers=count), job, rates)
 
     if experts in ("device", "routed", "whole"):  # whole: every expert to the device (priced as routed)
         return [on_cpu(0)]

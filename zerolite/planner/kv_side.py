@@ -95,4 +95,7 @@ def kv_sides(costs: ModelCosts, hardware: Hardware, c: Candidate, pins,
     def made(n: int, host: float, disk: float, place: str) -> Candidate:
         return dataclasses.replace(c, micro_batches=n, kv_offload=host, kv_disk=disk, kv_attention=place)
 
-    return [made(*option) for option in chosen], made(*(chosen[0] if chosen else least)), 0 if chosen else least_over
+    if not chosen:
+        return [], made(*least), least_over
+    fitting = [made(*option) for option in chosen]
+    return fitting, fitting[0], 0

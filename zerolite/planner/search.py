@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from zerolite.errors import ZeroliteError
 from zerolite.io.engine import host_bytes
 from zerolite.memory_model import KV_BITS
-from zerolite.planner.cost import Candidate, Job, Prediction, on_gpu, predict
+from zerolite.planner.cost import Candidate, Job, Prediction, Rates, on_gpu, predict
 from zerolite.planner.experts_side import experts_sides
 from zerolite.planner.hardware import Hardware
 from zerolite.planner.kv_side import Room, kv_sides, placements
@@ -66,6 +66,7 @@ def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(),
     bits = [pins.kv_bits] if pins.kv_bits else KV_BITS
     depths = [pins.prefetch_depth] if pins.prefetch_depth else PREFETCH_DEPTHS
     room, every = Room(costs, hardware, job, placements(hardware, pins.kv_offload, pins.kv_disk)), []
+    rates = Rates(costs, hardware)
     nearest, nearest_lacking = None, None  # of the policies that do not fit, the one that lacks least
     for weights in formats:
         for batch in batches:
@@ -78,7 +79,7 @@ def search(costs: ModelCosts, hardware: Hardware, job: Job, pins: Pins = Pins(),
                             nearest, nearest_lacking = least, lacking
                         for candidate in fitting:
                             every += experts_sides(costs, hardware, candidate, job, pins.experts,
-                                                   pins.cpu_expert_layers)
+                                                   pins.cpu_expert_layers, rates)
     tried = [p for p in every if p.fits(hardware)]
     if not tried:
         raise ZeroliteError(cannot_fit(costs, hardware, job, formats) if pins == Pins()
