@@ -84,6 +84,19 @@ def test_a_path_not_made_yet_has_its_disk_measured_where_it_will_be(machine, cap
     assert measured == [machine] and not done.stderr.startswith("plan: none"), done.stderr
 
 
+def test_the_page_cache_is_dropped_only_for_a_disk_read_long_enough_to_be_recorded(monkeypatch, make_layout):
+    import zerolite.planner.machine as machine_probe
+
+    dropped = []
+    monkeypatch.setattr(machine_probe, "drop_page_cache", lambda: dropped.append(True))
+    layout = make_layout("llama", layers=2)
+    machine_probe.measure_disk(layout)  # a tiny layout: its rate serves one plan, the machine's caches stay
+    assert dropped == []
+    monkeypatch.setattr(measurements, "DISK_RECORDED_BYTES", 1)
+    machine_probe.measure_disk(layout)
+    assert dropped == [True]
+
+
 def test_profile_records_the_disk_rate_that_plan_then_uses(machine, capsys, monkeypatch, make_layout):
     monkeypatch.setattr(measurements, "DISK_RECORDED_BYTES", 0)  # a tiny layout's read pass stands for the disk here
     layout = make_layout("llama", layers=3)

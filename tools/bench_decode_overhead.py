@@ -13,7 +13,7 @@ csrc/work_pool.cpp). The layouts alternate round by round, so a machine loaded b
 on each alike.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (zerolite before torch)
 
 import zerolite  # before torch: zerolite sets torch's OpenMP wait policy (zerolite.openmp)
 

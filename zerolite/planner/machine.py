@@ -16,6 +16,7 @@ from zerolite.io.engine import ALIGNMENT, IoEngine, aligned_empty
 from zerolite.layout.folder import Layout
 from zerolite.layout.manifest import MANIFEST
 from zerolite.layout.read_pass import read_pass
+from zerolite.planner import measurements
 from zerolite.runtime.plan import spread
 
 REQUEST_BYTES = 64 << 20     # each submit; several in flight, as the executor keeps whole blocks in flight
@@ -41,7 +42,10 @@ def measure_disk(path: str | os.PathLike, max_bytes: int = DISK_READ_BYTES, scra
     if not target.exists():
         raise ZeroliteError(f"`disk` {target} does not exist: give a layout, a file or a folder on the disk to measure")
     engine = engine or IoEngine()
-    drop_page_cache()
+    if read_bytes(target, max_bytes, scratch_bytes) >= measurements.DISK_RECORDED_BYTES:
+        # Only for a read long enough to be recorded: a short one's rate serves this plan alone, and
+        # dropping every file's cached pages for it would slow the whole machine at each plan.
+        drop_page_cache()
     if target.is_dir() and (target / MANIFEST).is_file():
         return layout_read_bandwidth(target, max_bytes, engine)
     if target.is_file():
@@ -52,6 +56,13 @@ def measure_disk(path: str | os.PathLike, max_bytes: int = DISK_READ_BYTES, scra
         return read_bandwidth(scratch, scratch_bytes, engine)
     finally:
         scratch.unlink(missing_ok=True)
+
+
+def read_bytes(target: Path, max_bytes: int, scratch_bytes: int) -> int:
+    """About how many bytes measure_disk reads of target (a layout's files, a file, or a scratch file)."""
+    if target.is_dir() and (target / MANIFEST).is_file():
+        return min(LAYOUT_PASSES * sum(f.stat().st_size for f in target.rglob("*") if f.is_file()), max_bytes)
+    return min(target.stat().st_size, max_bytes) if target.is_file() else scratch_bytes
 
 
 def layout_read_bandwidth(folder: Path, max_bytes: int, engine: IoEngine) -> dict:

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zerolite import memory_model
-from zerolite.quant import kv_decode
 from zerolite.memory_model import kv_group_size, kv_key_row_bytes, kv_key_share, kv_row_bytes
+from zerolite.quant import kv_decode
 
 INT8_LIMIT = 127  # symmetric: -127..127, so that code * scale never passes the group's largest magnitude
 INT4_LEVELS = 15  # asymmetric: 0..15 between the group's minimum and maximum
