@@ -16,6 +16,7 @@ import pytest
 
 from support.cli_runner import assert_one_line_error, run
 from support.helpers import generate_args, lines_by_id
+from zerolite.cli import main as cli
 from zerolite.io.engine import FAULT_VARIABLE
 
 LAYERS = 6
@@ -30,10 +31,10 @@ def layout(make_layout):
     return make_layout(layers=LAYERS)
 
 
-@pytest.fixture
-def prompts(tmp_path):
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
     rng = random.Random(1)
-    path = tmp_path / "prompts.jsonl"
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     path.write_text("".join(
         json.dumps({"id": f"q{i}", "input_ids": [rng.randrange(3, 128) for _ in range(rng.randrange(2, 9))]}) + "\n"
         for i in range(PROMPTS)
@@ -46,39 +47,60 @@ def streamed(layout, prompts, output) -> list[str]:
     return generate_args(layout, prompts, output, "--cpu-memory", "0", batch=BATCH, new_tokens=NEW_TOKENS)
 
 
-def test_sigkill_at_random_moments_then_rerun_loses_and_repeats_nothing(capsys, monkeypatch, tmp_path, layout, prompts):
-    """The runs killed are processes of their own; the reference and the rerun run in this one."""
-    reference = tmp_path / "reference.jsonl"
-    assert run(capsys, monkeypatch, *streamed(layout, prompts, reference)).code == 0
-    expected = lines_by_id(reference, parsed=True)
+@pytest.fixture(scope="module")
+def reference(layout, prompts, tmp_path_factory) -> bytes:
+    """What a run that is never killed writes, run once in this process for the tests that crash runs."""
+    output = tmp_path_factory.mktemp("reference") / "out.jsonl"
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit_info:
+        patch.setattr(sys, "argv", ["zerolite", *map(str, streamed(layout, prompts, output))])
+        cli.main()
+    assert exit_info.value.code == 0
+    return output.read_bytes()
+
+
+def lines_in(path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def test_sigkill_at_random_moments_then_rerun_loses_and_repeats_nothing(capsys, monkeypatch, tmp_path, layout, prompts,
+                                                                       reference):
+    """The runs killed are processes of their own: the first at a random moment inside start-up, each
+    other once the output has grown by a random few lines (among the batches, at times in the middle
+    of a write). The reference and the rerun run in this one."""
+    (tmp_path / "reference.jsonl").write_bytes(reference)
+    expected = lines_by_id(tmp_path / "reference.jsonl", parsed=True)
     assert len(expected) == PROMPTS
 
     output = tmp_path / "out.jsonl"
     rng = random.Random(7)
     kills = 0
-    for _ in range(6):
+    for run_number in range(3):
+        before = lines_in(output)
         process = subprocess.Popen([ZEROLITE, *streamed(layout, prompts, output)], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(1.5, 5.0))  # inside start-up, or somewhere among the batches
+        if run_number == 0:
+            time.sleep(rng.uniform(0.2, 1.5))
+        else:
+            grown = rng.randint(1, BATCH + 1)
+            while process.poll() is None and lines_in(output) < before + grown:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.05))
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
             kills += 1
         process.wait()
-        if output.exists():
-            assert output.read_bytes().count(b"\n") <= PROMPTS
+        assert lines_in(output) <= PROMPTS
     assert run(capsys, monkeypatch, *streamed(layout, prompts, output)).code == 0
     assert kills >= 3, "the runs finished before they could be killed: the test proves nothing"
     assert lines_by_id(output, parsed=True) == expected
     assert output.read_text().endswith("\n")
 
 
-def test_a_torn_last_line_is_redone(capsys, monkeypatch, tmp_path, layout, prompts):
+def test_a_torn_last_line_is_redone(capsys, monkeypatch, tmp_path, layout, prompts, reference):
     output = tmp_path / "out.jsonl"
+    output.write_bytes(reference[: len(reference) - 40])  # a crash in the middle of the last write
     assert run(capsys, monkeypatch, *streamed(layout, prompts, output)).code == 0
-    whole = output.read_bytes()
-    output.write_bytes(whole[: len(whole) - 40])  # a crash in the middle of the last write
-    assert run(capsys, monkeypatch, *streamed(layout, prompts, output)).code == 0
-    assert output.read_bytes() == whole
+    assert output.read_bytes() == reference
 
 
 def test_a_second_writer_of_the_same_output_is_refused(capsys, monkeypatch, tmp_path, layout, prompts):
@@ -99,11 +121,11 @@ def test_an_output_that_is_some_other_file_is_left_alone(capsys, monkeypatch, tm
 
 
 @pytest.mark.parametrize(("fault", "cause"), [("eio@3", "Input/output error"), ("short@3", "short read"),
-                                               ("eio@400", "Input/output error"), ("short@400", "short read")])
+                                               ("eio@150", "Input/output error"), ("short@150", "short read")])
 def test_io_faults_inside_the_engine_end_in_one_clear_line(capsys, monkeypatch, tmp_path, layout, prompts, fault,
                                                            cause):
-    """@3: while loading the resident blocks; @400: while streaming layers. (The engine reads the
-    fault when it starts, so this process will do.)"""
+    """@3: while loading the resident blocks; @150: while streaming layers, a batch or two written.
+    (The engine reads the fault when it starts, so this process will do.)"""
     monkeypatch.setenv(FAULT_VARIABLE, fault)
     output = tmp_path / "out.jsonl"
     done = run(capsys, monkeypatch, *streamed(layout, prompts, output))
@@ -113,7 +135,9 @@ def test_io_faults_inside_the_engine_end_in_one_clear_line(capsys, monkeypatch, 
     assert len(errors) == 1 and done.stderr.splitlines()[-1] == errors[0], done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert cause in errors[0] and "weights.bin" in errors[0] and "convert the model again" in errors[0]
-    for line in output.read_text().splitlines():  # whatever was written is whole
+    written = output.read_text().splitlines()
+    assert fault.endswith("@3") or written, "the fault struck before a batch was written: nothing to check"
+    for line in written:  # whatever was written is whole
         json.loads(line)
 
 

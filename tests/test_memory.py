@@ -49,7 +49,7 @@ def llama_layout(make_layout, hidden: int, layers: int):
 
 def test_peak_rss_stays_within_the_ring_for_a_model_many_times_larger(make_layout):
     warm_up = llama_layout(make_layout, hidden=64, layers=2)
-    big = llama_layout(make_layout, hidden=512, layers=24)
+    big = llama_layout(make_layout, hidden=512, layers=18)
     blocks = Layout.open(big).blocks
     layer = max(b.length for b in blocks if b.name.startswith("layers."))
     resident = sum(b.length for b in blocks if not b.name.startswith("layers."))

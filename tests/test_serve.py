@@ -454,6 +454,9 @@ def in_flight(url: str) -> float:
 def test_the_benchmark_runs_end_to_end(capsys, monkeypatch, make_layout, tmp_path):
     """tools/bench_serve.py on a tiny layout: a server process of its own, 1 client then 4."""
     figures, picture = tmp_path / "serve.json", tmp_path / "clients.png"
+    # The machine's page cache left as it is (as root the tool drops it before each phase): dropping it
+    # would slow every test running beside this one, and a tiny layout's reads time nothing here.
+    monkeypatch.setattr("bench_serve.drop_page_cache", lambda: True)
     done = run_tool(capsys, monkeypatch, "bench_serve", "--model", make_layout("llama", layers=4), "--clients", "4",
                     "--prompt-tokens", "5", "--new-tokens", "6", "--spread", "0.2", "--json", figures,
                     "--plot", picture)

@@ -307,6 +307,9 @@ def test_the_benchmark_runs_end_to_end_and_finds_the_tokens_unchanged(capsys, mo
     another model drafting, each run a zerolite process of its own."""
     layout, other = make_layout("llama", layers=4), make_layout("llama", layers=2, seed=1)
     figures = tmp_path / "figures.json"
+    # The machine's page cache left as it is (as root the tool drops it before each run): dropping it
+    # would slow every test running beside this one, and a tiny layout's reads time nothing here.
+    monkeypatch.setattr("bench_speculative.drop_page_cache", lambda: True)
     done = run_tool(capsys, monkeypatch, "bench_speculative", "--model", layout, "--prompts", "2", "--new-tokens", "8",
                     "--drafts", other, "--json", figures)
     assert done.code == 0, done.stderr

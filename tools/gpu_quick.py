@@ -231,12 +231,7 @@ class Parent:
             command = [sys.executable, str(Path(__file__).resolve()), "--child", step.name, "--scratch",
                        str(self.scratch), "--out", str(self.out),
                        "--deadline", str(time.time() + timeout - 3)] + (["--dry-run"] if self.dry else [])
-        environ = os.environ
-        if tests and self.dry:  # this process imported zerolite for its forks: a fresh pytest picks OpenMP's waits
-            from zerolite.openmp import environment_as_the_user_had_it
-
-            environ = environment_as_the_user_had_it()
-        env = {**{k: v for k, v in environ.items() if not k.startswith("PYTEST_")}, "PYTHONUNBUFFERED": "1",
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "PYTHONUNBUFFERED": "1",
                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
                "ZEROLITE_CACHE": str(self.scratch / "cache")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -251,7 +246,7 @@ class Parent:
             offset = sink.tell()
             started = time.perf_counter()
             try:
-                if self.dry and not tests:
+                if self.dry:
                     process = ForkedStep(command, env, sink)
                 else:
                     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
@@ -332,10 +327,11 @@ class Parent:
 
 
 class ForkedStep:
-    """A dry run's step: the process that `command` would start, forked from this one with torch,
-    transformers and zerolite imported once (their import was most of each dry step's time). Its own
-    session, output and environment, as Popen's; it parses `command` itself. A GPU run starts fresh
-    interpreters: a fork must not inherit CUDA."""
+    """A dry run's step: the process that `command` would start (this script's child, or pytest),
+    forked from this one with what the steps import imported once (their import was most of each dry
+    step's time). Its own session, output and environment, as Popen's; it parses `command` itself.
+    A GPU run starts fresh interpreters: a fork must not inherit CUDA, and a fresh pytest picks
+    OpenMP's waits as the user's environment says (zerolite, imported here first, chose them)."""
 
     def __init__(self, command: list[str], env: dict[str, str], sink):
         sys.stdout.flush()
@@ -354,8 +350,13 @@ class ForkedStep:
                 os.environ.clear()
                 os.environ.update(env)
                 os.chdir(ROOT)
-                sys.argv = command[1:]
-                code = main()
+                if command[1:3] == ["-m", "pytest"]:
+                    import pytest
+
+                    code = int(pytest.main(command[3:]))
+                else:
+                    sys.argv = command[1:]
+                    code = main()
             except SystemExit as exit:
                 code = exit.code if isinstance(exit.code, int) else 1
             except BaseException:
@@ -367,9 +368,13 @@ class ForkedStep:
 
     @staticmethod
     def import_once() -> None:
+        """zerolite first (it sets OpenMP's waiting policy), then the simulated device (tests/support: it
+        imports transformers' model code), zerolite's loading and the tiny Llama's modeling code."""
         import importlib
 
-        for name in ("zerolite", "torch", "transformers"):  # zerolite first: it sets OpenMP's waiting policy
+        sys.path.insert(0, str(ROOT / "tests"))
+        for name in ("zerolite", "torch", "transformers", "support.simulated_device", "zerolite.lm.loading",
+                     "zerolite.convert.resolve", "transformers.models.llama.modeling_llama"):
             importlib.import_module(name)
 
     def wait(self, timeout: float | None = None) -> int:
