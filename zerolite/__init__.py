@@ -7,9 +7,11 @@
     zerolite.generate_file(lm, "prompts.jsonl", "out.jsonl", zerolite.Sampling(max_new_tokens=64))
 """
 
+from zerolite.huge_pages import prefer_huge_pages
 from zerolite.openmp import prefer_passive_waits
 
 prefer_passive_waits()  # before anything loads torch: see zerolite/openmp.py
+prefer_huge_pages()  # before torch allocates: see zerolite/huge_pages.py
 
 __version__ = "0.1.0"
 

@@ -35,8 +35,13 @@ def threads_may_spin() -> bool:
 
 
 def environment_as_the_user_had_it() -> dict[str, str]:
-    """os.environ without the policy zerolite set: for running other programs as the user would."""
+    """os.environ without what zerolite set for torch (this policy, zerolite.huge_pages'): for
+    running other programs as the user would."""
+    from zerolite import huge_pages
+
     env = dict(os.environ)
     if _set_by_zerolite:
         env.pop(WAIT_POLICY, None)
+    if huge_pages.set_by_zerolite():
+        env.pop(huge_pages.HUGE_PAGES, None)
     return env
