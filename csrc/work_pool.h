@@ -2,8 +2,9 @@
 // kernels neither need OpenMP nor leave threads spinning between calls, which would take the
 // cores from the I/O engine's reads. The calling thread takes tasks too, and a call ends when its
 // tasks are done: a worker the OS has not run yet (the machine's cores are busy elsewhere) is not
-// waited for, and finds nothing left when it wakes. Idle workers watch for the next call a few
-// microseconds (a decode step makes hundreds, back to back), then sleep on a condition variable.
+// waited for, and finds nothing left when it wakes. Idle workers watch for the next call up to a
+// millisecond (a decode step makes hundreds, a few hundred microseconds apart), yielding the core
+// to any thread that wants it, then sleep on a condition variable.
 #pragma once
 
 #include <atomic>

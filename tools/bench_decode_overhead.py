@@ -8,7 +8,7 @@ and torch's ops: norms, rotary, attention, the cache's concatenations, sampling)
 A step's figures are generate(new_tokens) less generate(1), over new_tokens - 1: the prefill
 cancels. Each span is timed by wrapping its function (a microsecond or two of its own per call,
 counted in that span). Process CPU counts every thread: a span also holds what the kernels'
-pool workers burn meanwhile (each spins up to 50 us after a kernel before it sleeps:
+pool workers burn meanwhile (each watches up to 1 ms after a kernel, yielding, before it sleeps:
 csrc/work_pool.cpp). The layouts alternate round by round, so a machine loaded by others weighs
 on each alike.
 """

@@ -15,24 +15,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerolite.quant.cpu_kernels import bf16_matmul
+from zerolite.quant.cpu_kernels import Bf16Matmul
 
 # Below this many rows the kernel beats torch's bf16 matmul (docs/benchmarks-cpu-kernels.md): from 4 on, level.
 KERNEL_ROWS = 4
+_CPU = torch.device("cpu")
 
 
 class Bf16KernelLinear(nn.Linear):
-    """nn.Linear whose few-row bf16 calls on a CPU go through the kernel."""
+    """nn.Linear whose few-row bf16 calls on a CPU go through the kernel, made once for the weight
+    (a decode step's calls then add a few microseconds to the kernel's: the head's, and every
+    layer's of a bf16 model)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-                or not weight.is_contiguous() or x.numel() >= KERNEL_ROWS * self.in_features):
+        weight = self._parameters["weight"]
+        if x.dtype != torch.bfloat16 or x.device != _CPU or x.numel() >= KERNEL_ROWS * self.in_features:
             return F.linear(x, weight, self.bias)
-        y = bf16_matmul(x.reshape(-1, self.in_features), weight)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        kernel = self.__dict__.get("kernel")  # the class was swapped in (use_bf16_kernel): no __init__ of its own
+        if kernel is None or kernel.weight is not weight:
+            if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.device != _CPU:
+                return F.linear(x, weight, self.bias)
+            kernel = self.kernel = Bf16Matmul(weight)
+        y = kernel(x if x.is_contiguous() else x.contiguous())
+        bias = self._parameters["bias"]
+        return y if bias is None else y + bias
 
 
 def use_bf16_kernel(model: nn.Module) -> None:

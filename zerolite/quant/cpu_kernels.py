@@ -6,6 +6,8 @@ rows (bf16 ones where the path rounds them to int8 anyway, and for bf16 weights)
     y = int8_matmul(x, q, scale)
     y = bf16_matmul(x, weight)                                                    # x, weight, y: bf16
     dequantize_int4_transposed(out, packed, scale_zero, group_size, packing)      # out: [in, out] bf16 or fp32
+    kernel = Int4Matmul(packed, scale_zero, out_features, in_features, group_size, packing)
+    y = kernel(x)      # x: [..., in]; the weight checked once, for many calls (Int8Matmul, Bf16Matmul alike)
 
 Each kernel has a path per instruction set (AVX-512, AVX2 with FMA, plain C++), chosen at run time
 from what the CPU offers, or forced with ZEROLITE_CPU_KERNEL=amx|avx512bf16|avx512vnni|avx512|avx2|scalar
@@ -71,20 +73,125 @@ def _rounding(path: int) -> bool:
     return path in {_path_number(name) for name in ROUNDS_ACTIVATIONS if name in supported_paths()}
 
 
-# A decode step makes a hundred of these calls, each a few microseconds of weights at batch 1:
-# the checks below are written to cost about a microsecond (their first form took 8 per call).
+# A decode step makes a hundred kernel calls, each a few microseconds of weights at batch 1: a
+# layer's module keeps an Int4Matmul, Int8Matmul or Bf16Matmul made for the weight bound to it,
+# which checks the weight and works out the kernel's arguments once, so that a call costs a view,
+# an output tensor and the extension's entry (the checks and arguments, made per call, took 20 us).
 _CPU = torch.device("cpu")
 
 
-def _checked(x: torch.Tensor, in_features: int, exact: bool) -> tuple[torch.Tensor, int]:
-    """x as the kernel reads it, and the path: bf16 rows as they are where the path rounds them
-    anyway (no conversion either side of the call), fp32 rows otherwise."""
-    if x.device != _CPU or x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"rows must be a CPU tensor [rows, {in_features}], not {tuple(x.shape)} on {x.device}")
-    path = kernel_path(exact)
-    if x.dtype != torch.bfloat16 or not _rounding(path):
-        x = x.float()
-    return (x if x.is_contiguous() else x.contiguous()), path
+def _rows_paths() -> tuple[int, int, bool]:
+    """The paths fp32 rows and other rows take (ZEROLITE_CPU_KERNEL's, read as a weight is made
+    ready), and whether the latter takes bf16 rows as they are: it rounds them to int8 anyway."""
+    other = kernel_path(exact=False)
+    return kernel_path(exact=True), other, _rounding(other)
+
+
+class _QuantizedMatmul:
+    """What the int4 and int8 calls share: x [..., in] (contiguous, on the CPU) as the kernel reads
+    it: bf16 rows as they are where the path rounds them anyway (no conversion either side of the
+    call), fp32 rows otherwise; y [..., out] in that dtype."""
+
+    __slots__ = ("in_features", "out_features", "_exact_path", "_path", "_takes_bf16", "_shapes")
+
+    def __init__(self, out_features: int, in_features: int):
+        self.in_features, self.out_features = in_features, out_features
+        self._exact_path, self._path, self._takes_bf16 = _rows_paths()
+        self._shapes: tuple = ((), ())  # the last x's shape and its y's
+
+    def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(x as the kernel reads it, the path, y to write)."""
+        shape = x.shape
+        if x.device != _CPU or not shape or shape[-1] != self.in_features:
+            raise ValueError(f"rows must be a CPU tensor [rows, {self.in_features}], not {tuple(shape)} on {x.device}")
+        dtype = x.dtype
+        if dtype == torch.bfloat16 and self._takes_bf16:
+            path = self._path
+        else:
+            path = self._exact_path if dtype == torch.float32 else self._path
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        seen, y_shape = self._shapes
+        if seen != shape:
+            y_shape = (*shape[:-1], self.out_features)
+            self._shapes = (shape, y_shape)
+        return x, path, torch.empty(y_shape, dtype=x.dtype)
+
+
+class Int4Matmul(_QuantizedMatmul):
+    """x @ an int4 weight's transpose (int4_matmul), the weight checked once: for a module whose
+    weight stays bound over many calls. packed is the tensor it was made for."""
+
+    __slots__ = ("packed", "_scale_zero", "_weight")
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, in_features: int,
+                 group_size: int, packing: Int4Packing):
+        if not _int4_fits(packed, scale_zero, out_features, in_features, group_size):
+            raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not "
+                             f"match packed {tuple(packed.shape)} and scale_zero {tuple(scale_zero.shape)}")
+        super().__init__(out_features, in_features)
+        self.packed = packed
+        self._scale_zero = _scales(scale_zero)  # kept: the kernel reads it by address
+        self._weight = (packed.data_ptr(), out_features, in_features, scale_zero.shape[0] * group_size, group_size,
+                        packing.block_rows, packing.interleave == "halves", self._scale_zero.data_ptr(),
+                        self._scale_zero.dtype == torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x, path, y = self._rows(x)
+        _engine.int4_matmul(x.data_ptr(), x.numel() // self.in_features, self.in_features, y.data_ptr(),
+                            self.out_features, *self._weight, path, torch.get_num_threads(), x.dtype == torch.bfloat16)
+        return y
+
+
+class Int8Matmul(_QuantizedMatmul):
+    """x @ (q * scale[:, None]) transposed (int8_matmul), the weight checked once. q is the tensor
+    it was made for."""
+
+    __slots__ = ("q", "_scale")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        out_features, in_features = q.shape
+        if q.dtype != torch.int8 or not q.is_contiguous() or tuple(scale.shape) != (out_features,):
+            raise ValueError(f"an int8 weight must be int8 [out, in] with a scale per row: {tuple(q.shape)} "
+                             f"{q.dtype}, scale {tuple(scale.shape)}")
+        super().__init__(out_features, in_features)
+        self.q = q
+        self._scale = scale.float().contiguous()  # kept: the kernel reads it by address
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x, path, y = self._rows(x)
+        _engine.int8_matmul(x.data_ptr(), x.numel() // self.in_features, self.in_features, y.data_ptr(),
+                            self.out_features, self.q.data_ptr(), self.out_features, self.in_features,
+                            self._scale.data_ptr(), path, torch.get_num_threads(), x.dtype == torch.bfloat16)
+        return y
+
+
+class Bf16Matmul:
+    """x @ a bf16 weight's transpose (bf16_matmul), the weight checked once. x: bf16 [..., in],
+    contiguous, on the CPU (what Bf16KernelLinear gives it); weight is the tensor it was made for."""
+
+    __slots__ = ("weight", "_path", "_shapes")
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() or weight.device != _CPU:
+            raise ValueError(f"a bf16 weight must be a contiguous CPU bf16 [out, in]: {tuple(weight.shape)} "
+                             f"{weight.dtype} on {weight.device}")
+        self.weight = weight
+        self._path = kernel_path(exact=False)
+        self._shapes: tuple = ((), ())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = self.weight.shape
+        shape = x.shape
+        seen, y_shape = self._shapes
+        if seen != shape:
+            y_shape = (*shape[:-1], out_features)
+            self._shapes = (shape, y_shape)
+        y = torch.empty(y_shape, dtype=torch.bfloat16)
+        _engine.bf16_matmul(x.data_ptr(), x.numel() // in_features, in_features, y.data_ptr(), out_features,
+                            self.weight.data_ptr(), out_features, in_features, self._path, torch.get_num_threads())
+        return y
 
 
 def _int4_fits(packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, in_features: int,
@@ -105,6 +212,11 @@ def _scales(scale_zero: torch.Tensor) -> torch.Tensor:
     return scale_zero if scale_zero.is_contiguous() else scale_zero.contiguous()
 
 
+def _two_dimensional(x: torch.Tensor, in_features: int) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"rows must be a CPU tensor [rows, {in_features}], not {tuple(x.shape)} on {x.device}")
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int,
                 group_size: int, packing: Int4Packing) -> torch.Tensor:
     """x [rows, in] @ the int4 weight's transpose: in bf16 where x is bf16 and the path rounds it to
@@ -112,19 +224,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
     otherwise. packed: uint8 [out, stored in / 2] in
     packing's order; scale_zero: [groups, out, 2], weight = (q - 8) * scale + zero. x may be
     narrower than the stored width (a partial last group): the padding is skipped."""
-    stored_in = scale_zero.shape[0] * group_size
-    in_features = x.shape[-1]
-    if not _int4_fits(packed, scale_zero, out_features, in_features, group_size):
-        raise ValueError(f"an int4 weight of {out_features} x {in_features} in groups of {group_size} does not match "
-                         f"packed {tuple(packed.shape)} and scale_zero {tuple(scale_zero.shape)}")
-    x, path = _checked(x, in_features, x.dtype == torch.float32)
-    scale_zero = _scales(scale_zero)
-    y = torch.empty((x.shape[0], out_features), dtype=x.dtype)
-    _engine.int4_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, packed.data_ptr(),
-                        out_features, in_features, stored_in, group_size, packing.block_rows,
-                        packing.interleave == "halves", scale_zero.data_ptr(), scale_zero.dtype == torch.bfloat16,
-                        path, torch.get_num_threads(), x.dtype == torch.bfloat16)
-    return y
+    matmul = Int4Matmul(packed, scale_zero, out_features, x.shape[-1], group_size, packing)
+    _two_dimensional(x, x.shape[-1])
+    return matmul(x)
 
 
 @functools.cache
@@ -161,31 +263,17 @@ def int4_dequantize_transposed(out: torch.Tensor, packed: torch.Tensor, scale_ze
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [rows, in] @ (q * scale[:, None]) transposed, in int4_matmul's dtype (x rounded to int8
     per 32 columns first where it is not fp32 and the CPU runs avx512vnni). q: int8 [out, in]."""
-    out_features, in_features = q.shape
-    if q.dtype != torch.int8 or not q.is_contiguous() or tuple(scale.shape) != (out_features,):
-        raise ValueError(f"an int8 weight must be int8 [out, in] with a scale per row: {tuple(q.shape)} {q.dtype}, "
-                         f"scale {tuple(scale.shape)}")
-    x, path = _checked(x, in_features, x.dtype == torch.float32)
-    scale = scale.float().contiguous()
-    y = torch.empty((x.shape[0], out_features), dtype=x.dtype)
-    _engine.int8_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, q.data_ptr(),
-                        out_features, in_features, scale.data_ptr(), path, torch.get_num_threads(),
-                        x.dtype == torch.bfloat16)
-    return y
+    matmul = Int8Matmul(q, scale)
+    _two_dimensional(x, matmul.in_features)
+    return matmul(x)
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] @ weight.t(), all bf16 (fp32 sums, rounded to bf16 as torch's matmul rounds).
     weight: bf16 [out, in], contiguous. For a few rows: each weight row is read once for every
     4 rows of x, where a matmul of many rows (AMX, oneDNN's blocking) is torch's to run."""
-    out_features, in_features = weight.shape
-    if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.device.type != "cpu":
-        raise ValueError(f"a bf16 weight must be a contiguous CPU bf16 [out, in]: {tuple(weight.shape)} "
-                         f"{weight.dtype} on {weight.device}")
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features:
+    matmul = Bf16Matmul(weight)
+    in_features = weight.shape[1]
+    if x.device != _CPU or x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"rows must be a CPU tensor [rows, {in_features}], not {tuple(x.shape)} on {x.device}")
-    x = x.to(torch.bfloat16).contiguous()
-    y = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
-    _engine.bf16_matmul(x.data_ptr(), x.shape[0], in_features, y.data_ptr(), out_features, weight.data_ptr(),
-                        out_features, in_features, kernel_path(exact=False), torch.get_num_threads())
-    return y
+    return matmul(x.to(torch.bfloat16).contiguous())

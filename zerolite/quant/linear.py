@@ -28,7 +28,7 @@ from torch import nn
 from zerolite import memory_model
 from zerolite.io.device import Device
 from zerolite.layout.manifest import DTYPES, Manifest, TensorEntry
-from zerolite.quant.cpu_kernels import int4_dequantize_transposed, int4_in_tiles, int4_matmul, int8_matmul
+from zerolite.quant.cpu_kernels import Int4Matmul, Int8Matmul, int4_dequantize_transposed, int4_in_tiles
 from zerolite.quant.gpu_int4 import Int4Kernel, fits, inner_k_tiles, int4_kernel, paired_columns
 from zerolite.quant.int4_packing import Int4Packing, unpack_int4
 from zerolite.quant.quantize import (
@@ -86,21 +86,33 @@ class QuantizedLinear(nn.Module):
         self.scratch = scratch  # where a GPU, or a CPU for a prefill, dequantises the weight (None: a fresh tensor)
         self.bias = bias
         self.dense: torch.Tensor | None = None  # the weight dequantised once, for a layer resident on a GPU
+        # a CPU's kernel call for the weight bound now (cpu_kernels.Int4Matmul, Int8Matmul), made at its
+        # first call; it holds the bound views, as the block's binding does (zerolite.runtime.binding)
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step calls this a hundred times at batch 1, each a few microseconds of weights:
         # written to add little to them (a buffer is read from _buffers, not through nn.Module's
-        # attribute lookup, and nothing is copied or converted that is already as needed).
-        rows = x.reshape(-1, self.in_features)
-        # the kernels read rows as they lie (mamba's projections are given a transposed input)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        y = F.linear(rows, self.dense) if self.dense is not None else self.multiply(rows)
+        # attribute lookup, and nothing is copied, converted or reshaped that is already as needed).
+        # The kernels read rows as they lie (mamba's projections are given a transposed input).
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if self.dense is not None:
+            y = F.linear(x, self.dense)
+        elif self.dequantize:
+            y = self.multiply(x.view(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        else:
+            y = self.multiply_on_cpu(x)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        """A GPU's product of rows [rows, in]."""
+        raise NotImplementedError
+
+    def multiply_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """A CPU's product of x [..., in] (contiguous), in x's dtype."""
         raise NotImplementedError
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -126,15 +138,16 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight", torch.empty((out_features, in_features), dtype=torch.int8, device="meta"))
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=scale_dtype, device="meta"))
 
-    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.dequantize:
-            return self.widened_multiply(rows)
-        if rows.shape[0] >= DEQUANTIZE_ROWS:
-            return F.linear(rows, self.dequantized(rows.dtype))
-        y = int8_matmul(rows, self._buffers["weight"], self._buffers["weight" + SCALE_SUFFIX])
-        return y if y.dtype == rows.dtype else y.to(rows.dtype)
+    def multiply_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= DEQUANTIZE_ROWS * self.in_features:
+            return F.linear(x, self.dequantized(x.dtype))
+        kernel, weight = self.kernel, self._buffers["weight"]
+        if kernel is None or kernel.q is not weight:
+            kernel = self.kernel = Int8Matmul(weight, self._buffers["weight" + SCALE_SUFFIX])
+        y = kernel(x)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
-    def widened_multiply(self, rows: torch.Tensor) -> torch.Tensor:
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         """A GPU's path: the int8 weight widened once into the scratch buffer (its integers are
         exact in every float dtype) and multiplied, each output column then scaled by its row's
         scale: one pass over the weight besides the matmul's, where scaling the weight takes two.
@@ -167,28 +180,34 @@ class Int4Linear(QuantizedLinear):
                                                    device="meta"))
         self.register_buffer("weight" + SCALE_ZERO_SUFFIX, torch.empty(
             (self.stored_in // self.group_size, out_features, 2), dtype=scale_dtype, device="meta"))
-        self.kernel = kernel if kernel is not None and fits(out_features, self.stored_in, self.group_size) else None
+        self.gpu_kernel = kernel if kernel is not None and fits(out_features, self.stored_in, self.group_size) else None
         self._fused: tuple[torch.Tensor, torch.Tensor] | None = None  # (the weight bound, the kernel's packing of it)
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         scale_zero = self._buffers["weight" + SCALE_ZERO_SUFFIX]
-        if self.dequantize:
-            if self.kernel is not None and rows.dtype == torch.bfloat16 and rows.shape[0] < FUSED_INT4_ROWS:
-                return self.kernel.mm(self.padded(rows), self.fused_weight(), self.group_size,
+        if self.gpu_kernel is not None and rows.dtype == torch.bfloat16 and rows.shape[0] < FUSED_INT4_ROWS:
+            return self.gpu_kernel.mm(self.padded(rows), self.fused_weight(), self.group_size,
                                       scale_zero.to(rows.dtype))
-            weight = self._buffer((self.out_features, self.stored_in), rows)
-            dequantize_int4_into(weight, self.weight, scale_zero, self.group_size, self.packing)
-            return F.linear(self.padded(rows), weight)
-        count = rows.shape[0]
+        weight = self._buffer((self.out_features, self.stored_in), rows)
+        dequantize_int4_into(weight, self.weight, scale_zero, self.group_size, self.packing)
+        return F.linear(self.padded(rows), weight)
+
+    def multiply_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        count = x.numel() // self.in_features
         if count >= INT4_DEQUANTIZE_ROWS and (count >= TILES_INT4_DEQUANTIZE_ROWS or not int4_in_tiles(
-                rows.dtype, self.out_features, self.group_size, self.packing)):
+                x.dtype, self.out_features, self.group_size, self.packing)):
             # The transpose, as the kernel writes it in one pass; torch's matmul takes either.
-            dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
-            transposed = self._buffer((self.in_features, self.out_features), rows, dtype)
-            int4_dequantize_transposed(transposed, self.weight, scale_zero, self.group_size, self.packing)
-            return torch.matmul(rows.to(dtype), transposed).to(rows.dtype)
-        y = int4_matmul(rows, self._buffers["weight"], scale_zero, self.out_features, self.group_size, self.packing)
-        return y if y.dtype == rows.dtype else y.to(rows.dtype)
+            dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+            transposed = self._buffer((self.in_features, self.out_features), x, dtype)
+            int4_dequantize_transposed(transposed, self.weight, self._buffers["weight" + SCALE_ZERO_SUFFIX],
+                                       self.group_size, self.packing)
+            return torch.matmul(x.to(dtype), transposed).to(x.dtype)
+        kernel, weight = self.kernel, self._buffers["weight"]
+        if kernel is None or kernel.packed is not weight:
+            kernel = self.kernel = Int4Matmul(weight, self._buffers["weight" + SCALE_ZERO_SUFFIX], self.out_features,
+                                              self.in_features, self.group_size, self.packing)
+        y = kernel(x)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def padded(self, rows: torch.Tensor) -> torch.Tensor:
         """rows with zeros against the weight's padding columns: whatever those hold, they add nothing."""
@@ -200,7 +219,7 @@ class Int4Linear(QuantizedLinear):
         if self._fused is None or self._fused[0] is not self.weight:
             q = unpack_int4(self.weight, self.out_features, self.stored_in, self.packing)
             self._fused = None  # the last block's packing goes before this one's is made
-            self._fused = (self.weight, self.kernel.pack(paired_columns(q), inner_k_tiles(self.stored_in)))
+            self._fused = (self.weight, self.gpu_kernel.pack(paired_columns(q), inner_k_tiles(self.stored_in)))
         return self._fused[1]
 
     def unbound(self) -> None:
