@@ -162,7 +162,8 @@ def main() -> None:
             ms = {span: (spans_n[span] - spans_1[span]) / steps * 1e3 for span in SPANS}
             cpu = (cpu_n - cpu_1) / steps * 1e3
             parts = " + ".join(f"{span} {ms[span]:.1f}" for span in SPANS)
-            print(f"round {round_} {layout} batch {args.batch}: per step wall {(wall_n - wall_1) / steps * 1e3:.1f} ms, "
+            wall = (wall_n - wall_1) / steps * 1e3
+            print(f"round {round_} {layout} batch {args.batch}: per step wall {wall:.1f} ms, "
                   f"process CPU {cpu:.1f} ms = {parts} + rest {cpu - sum(ms.values()):.1f}", flush=True)
 
 
