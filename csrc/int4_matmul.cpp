@@ -404,7 +404,7 @@ void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) 
   }
 #ifdef ZEROLITE_X86
   if (vnni && path >= CpuPath::amx && r.count >= AMX_MIN_ROWS) {
-    const AmxRows x = amx_rows(r, w.in_features);
+    const AmxRows x = amx_rows(r, w);
     kernel_pool().run(threads, blocks, [&](int64_t index) {
       const Block b = block_at(w, index);
       if (b.halves && b.rows == 64) block_amx(w, b, x, r);

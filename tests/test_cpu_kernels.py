@@ -25,8 +25,9 @@ INT8_SHAPES = [(64, 64), (7, 100), (45, 17), (5, 1), (192, 576), (130, 1537)]
 BF16_SHAPES = [(64, 64), (7, 100), (33, 17), (5, 1), (130, 1537)]  # out off the runs of 4, in off 8, 16 and 32
 ROW_COUNTS = [1, 3, 4, 6, 9]
 # amx's int4 tiles take 8 rows and more (csrc/int4_matmul.cpp's AMX_MIN_ROWS): 16 rows to a tile,
-# fewer than 16 in one tile, the last of several partial, and the sums of 256 rows kept at once
-AMX_ROW_COUNTS = [8, 15, 16, 17, 40, 64, 65, 257]
+# fewer than 16 in one tile, the last of several partial, and the sums of 256 rows kept at once;
+# the weights as integers up to 8 rows in groups of 32, 16 in groups of 64 and more (12: a partial tile)
+AMX_ROW_COUNTS = [8, 12, 15, 16, 17, 40, 64, 65, 257]
 RELATIVE = 2e-6  # fp32 sums in another order: a few ulps of the largest output
 ROUNDED_RELATIVE = 1e-2  # x rounded to int8 per 32 columns: about 0.5% measured
 
@@ -195,8 +196,10 @@ def bf16_weights(q: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_int4_amx_multiplies_bf16_weights_and_rows(tiles_path, shape, dtype, scale_dtype, monkeypatch):
-    """From 8 rows on, amx multiplies x rounded to bf16 by the weights dequantised to bf16, to
-    fp32's sums; the blocks past the whole 64-row ones exact. Partial steps of 32 columns read
+    """From 8 rows on, amx multiplies x rounded to bf16 by the weights: up to 8 rows for each 32
+    columns of a group (one tile of 16 at most) as they are, their integers in the tiles and each
+    group's sums scaled in fp32; more rows by the weights dequantised to bf16; to fp32's sums
+    either way. The blocks past the whole 64-row ones exact. Partial steps of 32 columns read
     zeros past x's end (the padding's nibbles here are random, not zero)."""
     monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, tiles_path)
     out, inp, group = shape
@@ -212,7 +215,8 @@ def test_int4_amx_multiplies_bf16_weights_and_rows(tiles_path, shape, dtype, sca
     for rows in AMX_ROW_COUNTS:
         x = (torch.randn(rows, inp, generator=generator) * ROW_SIZES.repeat(29, 1)[:rows]).to(dtype)
         padded = F.pad(x.double(), (0, stored_in - inp))
-        expected = F.pad(x.bfloat16().double(), (0, stored_in - inp)) @ weight.t()
+        integers = rows <= min(16, 8 * group // 32)
+        expected = F.pad(x.bfloat16().double(), (0, stored_in - inp)) @ (exact if integers else weight).t()
         expected[:, whole:] = padded @ exact[whole:].t()
         assert_as_rounded(cpu_kernels.int4_matmul(x, packed, scale_zero, out, group, packing), expected, inp)
 

@@ -22,9 +22,9 @@ AMX (amx_int8, amx_bf16) and Linux grants the process its tile state, int4 multi
 bf16 tiles from 8 rows of x on (amx: its weights dequantised to bf16 as it goes, x rounded to
 bf16, fp32 sums; 1.6x avx512vnni's speed at 16 rows, 2.8x at 64, and faster than dequantising
 for torch's matmul up to about a thousand rows: int4_in_tiles; int8 and bf16 run there as at
-avx512bf16). They run on
-torch's thread count, on a pool of the extension's own whose idle threads sleep, and release the
-GIL. Tensors go in as addresses: the checks here are all they get.
+avx512bf16). They run on torch's thread count (or the count set_kernel_threads gave), on a pool
+of the extension's own whose idle threads sleep, and release the GIL. Tensors go in as
+addresses: the checks here are all they get.
 """
 
 from __future__ import annotations
@@ -71,6 +71,21 @@ def kernel_path(exact: bool = True) -> int:
 @functools.cache
 def _rounding(path: int) -> bool:
     return path in {_path_number(name) for name in ROUNDS_ACTIVATIONS if name in supported_paths()}
+
+
+# The threads the kernels run on: torch's, unless a forward of few rows gave torch's own ops one
+# thread and the kernels the threads torch had (zerolite.runtime.decode_threads).
+_kernel_threads: int | None = None
+
+
+def set_kernel_threads(threads: int | None) -> None:
+    """The kernels run on `threads` threads from here on; None: on torch's thread count."""
+    global _kernel_threads
+    _kernel_threads = threads
+
+
+def kernel_threads() -> int:
+    return _kernel_threads or torch.get_num_threads()
 
 
 # A decode step makes a hundred kernel calls, each a few microseconds of weights at batch 1: a
@@ -140,7 +155,7 @@ class Int4Matmul(_QuantizedMatmul):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x, path, y = self._rows(x)
         _engine.int4_matmul(x.data_ptr(), x.numel() // self.in_features, self.in_features, y.data_ptr(),
-                            self.out_features, *self._weight, path, torch.get_num_threads(), x.dtype == torch.bfloat16)
+                            self.out_features, *self._weight, path, kernel_threads(), x.dtype == torch.bfloat16)
         return y
 
 
@@ -163,7 +178,7 @@ class Int8Matmul(_QuantizedMatmul):
         x, path, y = self._rows(x)
         _engine.int8_matmul(x.data_ptr(), x.numel() // self.in_features, self.in_features, y.data_ptr(),
                             self.out_features, self.q.data_ptr(), self.out_features, self.in_features,
-                            self._scale.data_ptr(), path, torch.get_num_threads(), x.dtype == torch.bfloat16)
+                            self._scale.data_ptr(), path, kernel_threads(), x.dtype == torch.bfloat16)
         return y
 
 
@@ -190,7 +205,7 @@ class Bf16Matmul:
             self._shapes = (shape, y_shape)
         y = torch.empty(y_shape, dtype=torch.bfloat16)
         _engine.bf16_matmul(x.data_ptr(), x.numel() // in_features, in_features, y.data_ptr(), out_features,
-                            self.weight.data_ptr(), out_features, in_features, self._path, torch.get_num_threads())
+                            self.weight.data_ptr(), out_features, in_features, self._path, kernel_threads())
         return y
 
 
@@ -256,7 +271,7 @@ def int4_dequantize_transposed(out: torch.Tensor, packed: torch.Tensor, scale_ze
     _engine.int4_dequantize_transposed(out.data_ptr(), out.dtype == torch.bfloat16, packed.data_ptr(), out_features,
                                        in_features, stored_in, group_size, packing.block_rows,
                                        packing.interleave == "halves", scale_zero.data_ptr(),
-                                       scale_zero.dtype == torch.bfloat16, kernel_path(), torch.get_num_threads())
+                                       scale_zero.dtype == torch.bfloat16, kernel_path(), kernel_threads())
     return out
 
 

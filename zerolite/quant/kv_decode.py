@@ -21,7 +21,7 @@ import math
 import torch
 
 from zerolite import _engine
-from zerolite.quant.cpu_kernels import kernel_path
+from zerolite.quant.cpu_kernels import kernel_path, kernel_threads
 
 # how rows are packed (csrc/kv_decode.h's KvCodes)
 INT8, INT4, INT4_KEY_GROUPS = 0, 1, 2
@@ -38,7 +38,7 @@ def _kv_decode(out: torch.Tensor, packed: torch.Tensor, codes: int, group: int, 
                outer: int, out_outer_stride: int, packed_outer_stride: int) -> None:
     _engine.kv_decode(codes, DTYPES[out.dtype], out.shape[-1], group, tokens, share_bytes, packed.data_ptr(),
                       packed_outer_stride, packed.stride(-2), out.data_ptr(), out_outer_stride, out.stride(-2),
-                      outer, out.shape[-2], kernel_path(), torch.get_num_threads())
+                      outer, out.shape[-2], kernel_path(), kernel_threads())
 
 
 _LIBRARY.impl("kv_decode", _kv_decode, "CPU")

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from zerolite.layout.blocks import module_path
+from zerolite.runtime.decode_threads import DecodeThreads
 from zerolite.runtime.micro_batches import MicroBatched
 from zerolite.runtime.parts import Parts
 from zerolite.runtime.schedule import Schedule
@@ -55,6 +56,11 @@ class Executor:
         if parts.policy.micro_batches > 1:  # every decoder layer, resident ones too: each takes its share's cache
             self._hooks.append(MicroBatched([self.model.get_submodule(module_path(manifest.layers_path, name))
                                              for name in manifest.layer_names], parts.policy.micro_batches))
+        # quantized layers on the CPU compute with zerolite's kernels, on a pool of their own
+        self._decode_threads = None
+        if manifest.quantization is not None and not self.device.separate_memory:
+            self._decode_threads = DecodeThreads(self.model)
+            self._hooks.append(self._decode_threads)
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._start_step()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end_step()))
 
@@ -113,6 +119,8 @@ class Executor:
         for name in list(self._running):
             self._running.pop(name).__exit__(None, None, None)
         self.routing.reset()
+        if self._decode_threads is not None:
+            self._decode_threads.restore()
         if self._step is not None:
             self._end_step()
 
