@@ -6,6 +6,9 @@ import tempfile
 
 import pytest
 
+import zerolite  # noqa: F401  (before torch, as a program using zerolite imports it: torch's threads then wait
+#                  passively, zerolite/openmp.py; spinning, each worker's stole the cores of the other's)
+
 # The tests build tiny models locally; nothing may reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # What the tests convert and what they measure of the machine (zerolite.planner.measurements) stay
