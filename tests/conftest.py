@@ -6,8 +6,9 @@ import tempfile
 
 import pytest
 
-import zerolite  # noqa: F401  (before torch, as a program using zerolite imports it: torch's threads then wait
-#                  passively, zerolite/openmp.py; spinning, each worker's stole the cores of the other's)
+# Before torch, as a program that uses zerolite imports it: torch's threads then wait passively
+# (zerolite/openmp.py). Spinning, each xdist worker's threads took the core the other worker needed.
+import zerolite  # noqa: F401
 
 # The tests build tiny models locally; nothing may reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
