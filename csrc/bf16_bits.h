@@ -14,18 +14,36 @@
 
 namespace zerolite {
 
-inline float widen_bf16(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
+// A float's bits and the float of some bits (memcpy: the cast between them that C++ defines).
+inline uint32_t bits_of(float value) {
+  uint32_t word;
+  std::memcpy(&word, &value, 4);
+  return word;
+}
+
+inline float float_of(uint32_t word) {
   float value;
   std::memcpy(&value, &word, 4);
   return value;
 }
 
+// fp32 bits rounded in place to nearest even at bf16's precision: the bf16 is then the upper 16
+// bits, what is left below them to be shifted out or cleared. One word, or each lane of a GCC
+// vector of uint32_t (a path's __m256i or __m512i seen as one), so that every path rounds alike;
+// NaNs are the caller's. In place, not by value: a vector passed to a function of no target
+// attribute would draw GCC's ABI warning, though the call is always inlined.
+template <class Words>
+__attribute__((always_inline)) inline void round_to_bf16(Words& words) {
+  words += 0x7FFFu + ((words >> 16) & 1u);
+}
+
+inline float widen_bf16(uint16_t bits) { return float_of(static_cast<uint32_t>(bits) << 16); }
+
 inline uint16_t narrow_bf16(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, 4);
+  uint32_t word = bits_of(value);
   if ((word & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
-  return static_cast<uint16_t>((word + 0x7FFFu + ((word >> 16) & 1)) >> 16);
+  round_to_bf16(word);
+  return static_cast<uint16_t>(word >> 16);
 }
 
 // Runs kernel(fp32 rows) on fp32 copies of bf16 rows (in_features wide), its outputs
@@ -41,12 +59,16 @@ void through_fp32(const Rows& r, int64_t in_features, int64_t out_features, Kern
 }
 
 #ifdef ZEROLITE_X86
-// 16 floats to 16 bf16, to nearest even (no NaN's here: sums of finite products).
+// A vector's lanes as GCC's vector extension sees them, for round_to_bf16.
+using Words8 = uint32_t __attribute__((vector_size(32)));
+using Words16 = uint32_t __attribute__((vector_size(64)));
+
+// 16 floats to 16 bf16, to nearest even (NaNs not kept: its callers round finite values, sums of
+// finite products, decoded K/V).
 ZEROLITE_AVX512 inline __m256i narrow_bf16_avx512(__m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  Words16 words = reinterpret_cast<Words16>(v);
+  round_to_bf16(words);
+  return _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(words >> 16));
 }
 #endif
 

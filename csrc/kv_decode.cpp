@@ -26,18 +26,6 @@ constexpr int64_t ROWS_PER_TASK = 256;
 // Room past a row's codes in the buffer 4-bit codes are spread into: the paths write whole vectors.
 constexpr int64_t CODES_SLACK = 128;
 
-inline uint32_t bits_of(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, 4);
-  return word;
-}
-
-inline float float_of(uint32_t word) {
-  float value;
-  std::memcpy(&value, &word, 4);
-  return value;
-}
-
 // fp16 <-> fp32 as IEEE rounds them (to nearest even, subnormals kept, overflow to infinity), as
 // torch's Half does and F16C's conversions do: FP16's fp16_ieee_to_fp32_value and _from_fp32_value.
 inline float widen_fp16(uint16_t half) {
@@ -147,10 +135,9 @@ struct Avx2 {
   template <KvFloat F>
   ZEROLITE_KV_AVX2 ZEROLITE_KV_INLINE static __m256 rounded(__m256 v) {
     if constexpr (F == KvFloat::bf16) {
-      __m256i bits = _mm256_castps_si256(v);
-      __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-      __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-      return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+      Words8 words = reinterpret_cast<Words8>(v);
+      round_to_bf16(words);
+      return reinterpret_cast<__m256>(words & 0xFFFF0000u);
     } else if constexpr (F == KvFloat::fp16) {
       return _mm256_cvtph_ps(_mm256_cvtps_ph(v, HALF_ROUNDING));
     } else {
@@ -161,9 +148,9 @@ struct Avx2 {
   template <KvFloat F>
   ZEROLITE_KV_AVX2 ZEROLITE_KV_INLINE static void store(Stored<F>* out, __m256 v) {
     if constexpr (F == KvFloat::bf16) {
-      __m256i bits = _mm256_castps_si256(v);
-      __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-      __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+      Words8 words = reinterpret_cast<Words8>(v);
+      round_to_bf16(words);
+      __m256i top = reinterpret_cast<__m256i>(words >> 16);
       __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
     } else if constexpr (F == KvFloat::fp16) {
@@ -217,10 +204,9 @@ struct Avx512 {
   template <KvFloat F>
   ZEROLITE_AVX512 ZEROLITE_KV_INLINE static __m512 rounded(__m512 v) {
     if constexpr (F == KvFloat::bf16) {
-      __m512i bits = _mm512_castps_si512(v);
-      __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-      return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+      Words16 words = reinterpret_cast<Words16>(v);
+      round_to_bf16(words);
+      return reinterpret_cast<__m512>(words & 0xFFFF0000u);
     } else if constexpr (F == KvFloat::fp16) {
       return _mm512_cvtph_ps(_mm512_cvtps_ph(v, HALF_ROUNDING));
     } else {
@@ -231,10 +217,7 @@ struct Avx512 {
   template <KvFloat F>
   ZEROLITE_AVX512 ZEROLITE_KV_INLINE static void store(Stored<F>* out, __m512 v, __mmask16 mask) {
     if constexpr (F == KvFloat::bf16) {
-      __m512i bits = _mm512_castps_si512(v);
-      __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-      _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(top));
+      _mm256_mask_storeu_epi16(out, mask, narrow_bf16_avx512(v));
     } else if constexpr (F == KvFloat::fp16) {
       _mm256_mask_storeu_epi16(out, mask, _mm512_cvtps_ph(v, HALF_ROUNDING));
     } else {

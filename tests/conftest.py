@@ -6,6 +6,10 @@ import tempfile
 
 import pytest
 
+# Before torch, as a program that uses zerolite imports it: torch's threads then wait passively
+# (zerolite/openmp.py). Spinning, each xdist worker's threads took the core the other worker needed.
+import zerolite  # noqa: F401
+
 # The tests build tiny models locally; nothing may reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # What the tests convert and what they measure of the machine (zerolite.planner.measurements) stay

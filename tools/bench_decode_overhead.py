@@ -6,6 +6,10 @@ rotary, the K/V cache's update, attention; the rest is the other modules and tor
 activation and products, residual adds, embedding, sampling) and Python.
 
     .venv/bin/python tools/bench_decode_overhead.py LAYOUT [LAYOUT ...] [--batch 16] [--rounds 3] [--new-tokens 9]
+                                                   [--threads N]
+
+--threads 1 keeps the kernels on the calling thread, so that the process CPU is the step's work
+and none of it a pool worker's wait.
 
 A step's figures are generate(new_tokens) less generate(1), over new_tokens - 1: the prefill
 cancels. Each span is timed by wrapping its function (a microsecond or two of its own per call,
@@ -143,9 +147,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=9)
     parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, help="torch's threads, which the kernels take too (default torch's)")
     args = parser.parse_args()
     if args.batch < 1 or args.new_tokens < 2:
         parser.error("--batch must be at least 1 and --new-tokens at least 2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     time_library()
     models = {layout: zerolite.load(layout, offload="cpu", device="cpu", show_progress=False)
               for layout in args.layouts}
