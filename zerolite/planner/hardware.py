@@ -121,17 +121,18 @@ class Hardware:
         if not probe:
             return cls(gpu, gpu_ram, host_ram, disk, fill or disk, h2d, None, sources=sources)
         compute, sources["compute"] = probed(key, "compute", lambda: probe_compute(target, dtype),
-                                             "time this machine's matmuls", "compute: matmul rates of each weight format")
+                                             "time this machine's matmuls",
+                                             "compute: matmul rates of each weight format")
         compute = {weights: {int(rows): s for rows, s in rates.items()} for weights, rates in compute.items()}
         codec = kv_codec(target, dtype, key)
         attention, sources["attention"] = probed(key, ATTENTION_RECORD, lambda: probe_attention(target, dtype),
                                                  "time this machine's attention", "compute: attention over K/V")
         layer = step = None
         if model is not None:  # (config, a layer's bytes): the model's own layer timed, if not too large
-            layers = model_layer(*model, f"{key} | {config_digest(model[0])}", dtype, target)
+            layers, source = model_layer(*model, f"{key} | {config_digest(model[0])}", dtype, target)
             if layers is not None:
                 layer, step = ({int(rows): s for rows, s in layers[part].items()} for part in ("layer", "step"))
-                sources["layer"] = "probed: the model's own layer"
+                sources["layer"] = f"probed: the model's own layer, {source}"
         return cls(gpu, gpu_ram, host_ram, disk, fill or disk, h2d, None, compute, layer, step, sources,
                    kv_codec=codec, attention_gbps=attention)
 
@@ -155,9 +156,7 @@ class Hardware:
 # where the codec's timings are recorded: not "kv_codec", which holds the torch passes' from before
 # the CPU decode kernel (zerolite.quant.kv_decode), several times slower
 KV_CODEC_RECORD = "kv_codec with the decode kernel"
-
-
-ATTENTION_RECORD = "kv attention gbps"
+ATTENTION_RECORD = "kv attention gbps"   # zerolite.planner.kv_probe.probe_attention's rate
 
 
 def probed(key: str, under: str, probe, part: str | None, what: str) -> tuple:
@@ -184,21 +183,22 @@ def kv_codec(target, dtype: torch.dtype, key: str) -> dict[int, dict[str, float]
     return {int(bits): rates for bits, rates in codec.items()}
 
 
-def model_layer(config, layer_bytes: int, key: str, dtype: torch.dtype, target) -> dict | None:
-    """The probe of one of the model's own layers (compute_probe.probe_layer), as recorded under key
-    or timed now; None for a layer larger than PROBE_LAYER_MAX_BYTES, or one the probe cannot time:
-    the matmul rates stand for it. A plan is advice, so a probe that fails costs no run (fourteen
-    families' runs once stopped there): whatever it raises is said in one line, and the plan goes on."""
+def model_layer(config, layer_bytes: int, key: str, dtype: torch.dtype, target) -> tuple[dict | None, str]:
+    """The probe of one of the model's own layers (compute_probe.probe_layer) and where it came from,
+    as recorded under key or timed now; None for a layer larger than PROBE_LAYER_MAX_BYTES, or one
+    the probe cannot time: the matmul rates stand for it. A plan is advice, so a probe that fails
+    costs no run (fourteen families' runs once stopped there): whatever it raises is said in one
+    line, and the plan goes on."""
     if layer_bytes > PROBE_LAYER_MAX_BYTES:
-        return measurements.value(key, "layers")
+        return measurements.value(key, "layers"), "recorded"
     try:
         return probed(key, "layers", lambda: probe_layer(config, dtype, target), None,
-                      "compute: one of this model's layers")[0]
+                      "compute: one of this model's layers")
     except Exception as e:  # noqa: BLE001 - any family's failure, whatever its type
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         stderr.print(f"plan: could not time one of this model's layers ({reason}); compute estimated from matmul rates",
                      markup=False, highlight=False, soft_wrap=True)
-        return None
+        return None, ""
 
 
 def at(points: dict[int, float], rows: float) -> float:

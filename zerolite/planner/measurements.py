@@ -30,7 +30,8 @@ from zerolite.planner.contention import quiet_now
 
 FILE = "machine.json"
 DISK_RECORDED_BYTES = 256 << 20   # a disk read over fewer bytes says more about latency than rate: not kept
-RETRY_S = 300                     # a probe marked busy is taken again this long after, by a plan finding the machine quiet
+RETRY_S = 300                     # a probe marked busy is taken again this long after, by a plan that finds the
+                                  # machine quiet
 
 
 def path() -> Path:
