@@ -150,4 +150,4 @@ def test_attention_is_priced_at_its_own_probes_rate_not_a_matmuls():
 def test_the_attention_probe_times_a_decode_steps_append_and_read(monkeypatch):
     monkeypatch.setattr(kv_probe, "SHAPE", (2, 2, 64, 16))  # the real one streams 128 MB: seconds on a busy machine
     monkeypatch.setattr(kv_probe, "ATTENDED_LAYERS", 2)
-    assert 0.01 < kv_probe.probe_attention(CpuDevice(), torch.bfloat16) < 1e4
+    assert 0 < kv_probe.probe_attention(CpuDevice(), torch.bfloat16) < 1e4
