@@ -15,7 +15,7 @@ from zerolite.io.device import CpuDevice
 from zerolite.layout.folder import Layout
 from zerolite.planner import measurements
 from zerolite.planner.cost import Candidate, Job, predict
-from zerolite.planner.hardware import Hardware
+from zerolite.planner.hardware import ATTENTION_RECORD, Hardware
 from zerolite.planner.model_costs import ModelCosts
 from zerolite.planner.model_source import ModelSource
 from zerolite.planner.search import Pins, search
@@ -26,12 +26,13 @@ ROWS = (1, 4, 16, 64, 256, 1024)
 
 @pytest.fixture
 def machine(tmp_path, monkeypatch):
-    """This machine's record in a cache of the test's own, with compute rates set (the probe takes
-    seconds): every weight multiplied at 1 ns, however many rows."""
+    """This machine's record in a cache of the test's own, with compute rates set (the probes take
+    seconds): every weight multiplied at 1 ns, however many rows, and attention streaming K/V at 10 GB/s."""
     monkeypatch.setenv("ZEROLITE_CACHE", str(tmp_path / "cache"))
     for dtype in (torch.float32, torch.bfloat16):
-        measurements.record(measurements.compute_key(CpuDevice(), dtype), {w: {str(r): 1e-9 for r in ROWS} for w in
-                                                                      ("stored", "int8", "int4")}, "compute")
+        key = measurements.compute_key(CpuDevice(), dtype)
+        measurements.record(key, {w: {str(r): 1e-9 for r in ROWS} for w in ("stored", "int8", "int4")}, "compute")
+        measurements.record(key, 10.0, ATTENTION_RECORD)
     return tmp_path
 
 

@@ -23,11 +23,11 @@ ROWS = (1, 4, 16, 64, 256, 1024)
 
 
 def cpu_machine(**overrides) -> Hardware:
-    """A CPU whose matmuls take 1 ps a weight (bf16 at one row: 2 TB/s, so the K/V's reads are
-    visible only where meant) and whose codec takes 1 ns an element."""
+    """A CPU whose matmuls take 1 ps a weight and whose attention streams K/V at 2 TB/s (so that
+    the K/V's reads are visible only where meant), and whose codec takes 1 ns an element."""
     figures = dict(gpu=False, gpu_ram=0, host_ram=64 << 30, disk_gbps=2.0, fill_gbps=2.0, h2d_gbps=None,
                    gpu_tflops=None, compute={w: {r: 1e-12 for r in ROWS} for w in ("stored", "int8", "int4")},
-                   kv_codec=CODEC)
+                   kv_codec=CODEC, attention_gbps=2000.0)
     return Hardware(**{**figures, **overrides})
 
 

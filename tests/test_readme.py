@@ -28,6 +28,7 @@ from support.tiny_models import CHAT_TEMPLATE, save_ascii_tokenizer
 from zerolite.io.device import CpuDevice
 from zerolite.planner import measurements
 from zerolite.planner.compute_probe import ROWS
+from zerolite.planner.hardware import ATTENTION_RECORD
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 README = REPOSITORY / "README.md"
@@ -100,6 +101,7 @@ def world(tmp_path, monkeypatch, make_source):
     for dtype in (torch.float32, torch.bfloat16):
         rates = {weights: {str(rows): 1e-9 for rows in ROWS} for weights in ("stored", "int8", "int4")}
         measurements.record(measurements.compute_key(CpuDevice(), dtype), rates, "compute")
+        measurements.record(measurements.compute_key(CpuDevice(), dtype), 10.0, ATTENTION_RECORD)
     return {MODEL: str(source), NVME: str(tmp_path / "nvme")}
 
 

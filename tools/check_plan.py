@@ -9,8 +9,9 @@ Run as root (the page cache is dropped before each run).
    tiers      each model x batch {1, 16}, nothing else pinned
    kv-bits    the dense model's K/V at 16, 8 and 4 bits (--kv-bits), --kv-prompt-tokens long prompts, so
               that reading, dequantising and quantizing the K/V weigh in each step
-   mixed      an input file of 4 x batch prompts asking from an eighth of --new-tokens to all of it (each
-              line's own max_new_tokens), run by continuous batching; plan is given their mean
+   mixed      an input file of 4 x batch prompts asking from an eighth of twice --new-tokens to all of it
+              (each line's own max_new_tokens), run by continuous batching; plan is given their mean (at
+              4 x --new-tokens, jobs of 84 to 201 s: seven minutes a round)
    kv-disk, micro-batches, cpu-attention   K/V half on disk (--kv-disk 0.5), the batch in 4 micro-batches
               (--micro-batches 4), attention over K/V in host memory on the CPU (--kv-offload 1
               --kv-attention cpu, with --device cuda); each runs where generate takes its flag
@@ -92,7 +93,7 @@ def groups(args) -> list[Group]:
         every += [Group(f"K/V {bits} bits", dense, args.kv_batch, ("--kv-bits", str(bits)), long, args.new_tokens)
                   for bits in (16, 8, 4)]
     if "mixed" in args.groups:
-        every.append(Group("mixed lengths", dense, args.kv_batch, (), args.prompt_tokens, 4 * args.new_tokens,
+        every.append(Group("mixed lengths", dense, args.kv_batch, (), args.prompt_tokens, 2 * args.new_tokens,
                            mixed=True))
     later = {  # the runtime's features that generate may not take yet: each joins where it does
         "kv-disk": Group("K/V half on disk", dense, args.kv_batch, ("--kv-disk", "0.5"), long, args.new_tokens,

@@ -1,7 +1,8 @@
 """How fast this machine multiplies weights: seconds per weight element, by weight format and by
-the rows multiplied at once, with the very modules a run uses (nn.Linear, and zerolite's Int8Linear
-and Int4Linear with their CPU kernels), so a CPU's kernel quirks (int4's bf16-only fast path, a
-bf16 matmul without AVX-512 BF16) are measured, not assumed.
+the rows multiplied at once, with the very modules a run uses (nn.Linear, on a CPU through
+zerolite's bf16 kernel as a run's are, and zerolite's Int8Linear and Int4Linear with their CPU
+kernels), so a CPU's kernel quirks (int4's bf16-only fast path, a bf16 matmul without AVX-512 BF16)
+are measured, not assumed.
 
     rates = probe_compute(CpuDevice(), torch.bfloat16)
     # {"stored": {1: 2.1e-10, 4: ..., ...}, "int8": ..., "int4": ...}
@@ -23,6 +24,7 @@ from torch import nn
 from zerolite.hf import build_meta_model, cache_keyword
 from zerolite.io.device import Device
 from zerolite.planner.shrunk_config import PROBE_VOCAB, shrunk
+from zerolite.quant.bf16_linear import use_bf16_kernel
 from zerolite.quant.linear import Int4Linear, Int8Linear
 from zerolite.quant.quantize import SCALE_SUFFIX, SCALE_ZERO_SUFFIX, WeightScheme
 
@@ -50,6 +52,8 @@ def module_for(weights: str, weight: torch.Tensor, device: Device) -> nn.Module:
     if weights == "stored":
         linear = nn.Linear(in_features, out_features, bias=False, device="meta", dtype=weight.dtype)
         linear.weight = nn.Parameter(weight.to(target), requires_grad=False)
+        if not device.separate_memory:  # a CPU run's stored linears go through zerolite's bf16 kernel
+            use_bf16_kernel(linear)
         return linear
     scheme = WeightScheme.parse(weights)
     stored = scheme.quantize(weight)
@@ -143,6 +147,8 @@ def filled_model(config, dtype: torch.dtype, device: Device) -> nn.Module:
             if id(param) not in made:  # tied weights stay tied
                 made[id(param)] = nn.Parameter(tiled(pattern, param.shape, param.dtype), requires_grad=False)
             module._parameters[name] = made[id(param)]
+    if not device.separate_memory:  # as a CPU run's model computes (zerolite.runtime.parts)
+        use_bf16_kernel(model)
     return model.to(target).eval()
 
 

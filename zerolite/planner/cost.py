@@ -108,6 +108,12 @@ class Rates:
         return self._kept[key]
 
     def matmuls(self, weights: str, rows: float, positions: float) -> float:
+        """A layer's matmuls at the probe's rates (the stored format's brought to agree with the
+        probe of the model's own layer: agreement) and its attention's FLOPs."""
+        return self._once(("matmuls", weights, rows, positions),
+                          lambda: self.probed_matmuls(weights, rows, positions) * self.agreement(weights, rows))
+
+    def probed_matmuls(self, weights: str, rows: float, positions: float) -> float:
         costs, hardware = self.costs, self.hardware
 
         def work() -> float:
@@ -118,7 +124,23 @@ class Rates:
                 seconds += picked * hardware.seconds("stored", costs.expert_weights,
                                                      rows * costs.experts_per_token / picked, itemsize)
             return seconds + hardware.flop_seconds(4 * rows * positions * costs.attention_width)
-        return self._once(("matmuls", weights, rows, positions), work)
+        return self._once(("probed matmuls", weights, rows, positions), work)
+
+    def agreement(self, weights: str, rows: float) -> float:
+        """1, or where the stored format's matmul rates price a layer's matmuls at rows above what
+        the probe of the model's own layer took whole, the share that brings them down to it (at
+        the largest batch probed past it). The layer probe is the model's own layer run as a run
+        runs it; the matmul probe is one shape of matrix, and one timed while other work took the
+        cores once priced a layer at 7x the layer probe's time, its surplus then dropped as a
+        negative remainder (beyond) instead of setting the rates right."""
+        probed = self.hardware.layer_seconds
+        if weights != "stored" or probed is None:
+            return 1.0
+
+        def work() -> float:
+            at_rows = min(rows, max(probed))
+            return min(1.0, at(probed, at_rows) / self.probed_matmuls("stored", at_rows, LAYER_CONTEXT))
+        return self._once(("agreement", min(rows, max(probed))), work)
 
     def beyond(self, rows: float) -> float:
         """What the probe of the model's own layer took beyond its matmuls (norms, attention's small
@@ -151,7 +173,8 @@ class Rates:
         costs, hardware = self.costs, self.hardware
         return self._once(("step", rows, sequences),
                           lambda: (at(hardware.step_seconds, rows) if hardware.step_seconds else 0.0)
-                          + hardware.seconds("stored", costs.head_weights, sequences, costs.dtype.itemsize))
+                          + hardware.seconds("stored", costs.head_weights, sequences, costs.dtype.itemsize)
+                          * self.agreement("stored", sequences))
 
     def gpu_experts(self, rows: int) -> float:
         """What the GPU's matmuls of a layer's routed experts take (as matmuls() counts them)."""

@@ -24,10 +24,8 @@ import torch
 from zerolite.io.device import CpuDevice
 from zerolite.planner import measurements
 from zerolite.planner.compute_probe import probe_compute
-from zerolite.planner.faults import planner_part
-from zerolite.planner.hardware import Hardware
+from zerolite.planner.hardware import Hardware, probed
 from zerolite.planner.model_costs import ModelCosts
-from zerolite.progress import measuring
 
 EXPERTS_FORMAT = "stored"      # the format a layout keeps a mixture's experts in, whatever --weights says
 ROUND_TRIP_S = 50e-6           # per layer: a wait for the device, a pinned copy each way, a wait for the copy back
@@ -50,14 +48,9 @@ def this_cpu(dtype: torch.dtype) -> tuple[float, float, str]:
     """(GB/s at one row, TFLOP/s at the most rows, where they came from) of this CPU's matmuls in
     the experts' format."""
     cpu = CpuDevice()
-    key = measurements.compute_key(cpu, dtype)
-    rates = measurements.value(key, "compute")
-    source = "this CPU's matmuls, recorded"
-    if rates is None:
-        with planner_part("time this machine's matmuls"), measuring("compute: the CPU's matmul rates, for experts"):
-            rates = probe_compute(cpu, dtype)
-        measurements.record(key, rates, "compute")
-        source = "this CPU's matmuls, measured now"
+    rates, source = probed(measurements.compute_key(cpu, dtype), "compute", lambda: probe_compute(cpu, dtype),
+                           "time this machine's matmuls", "compute: the CPU's matmul rates, for experts")
+    source = f"this CPU's matmuls, {source}"
     per_weight = {int(rows): seconds for rows, seconds in rates[EXPERTS_FORMAT].items()}
     most = max(per_weight)
     return dtype.itemsize / per_weight[min(per_weight)] / 1e9, 2 * most / per_weight[most] / 1e12, source

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import psutil
@@ -25,7 +26,9 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.device import resolve
 from zerolite.planner import measurements
 from zerolite.planner.compute_probe import PROBE_LAYER_MAX_BYTES, probe_compute, probe_layer
+from zerolite.planner.contention import Contention
 from zerolite.planner.faults import planner_part
+from zerolite.planner.kv_probe import probe_attention, probe_kv_codec
 from zerolite.planner.machine import measure_host_to_device
 from zerolite.progress import measuring, stderr
 
@@ -55,6 +58,7 @@ class Hardware:
                                       # the rate its dequantisation and attention's reads of the K/V run at
     gpu_context: int = 0              # bytes of gpu_ram a run cannot have (a described GPU's CUDA context)
     kv_codec: dict[int, dict[str, float]] | None = None  # probed: K/V at 8 and 4 bits (zerolite.planner.kv_probe)
+    attention_gbps: float | None = None  # probed: the rate a decode step's attention streams K/V at (the same)
 
     def seconds(self, weights: str, elements: float, rows: float, itemsize: int = 2) -> float:
         """Time to multiply rows rows by elements weights stored in the format weights; a described GPU's
@@ -114,25 +118,23 @@ class Hardware:
                 h2d = measure_host_to_device(target)
             measurements.record("h2d_gbps", h2d)
         key = measurements.compute_key(target, dtype)
-        compute = measurements.value(key, "compute") if probe else None
-        if compute is None and probe:
-            with planner_part("time this machine's matmuls"), measuring("compute: matmul rates of each weight format"):
-                compute = probe_compute(target, dtype)
-            measurements.record(key, compute, "compute")
-            sources["compute"] = "measured now"
-        elif probe:
-            sources["compute"] = "recorded"
-        if compute is not None:
-            compute = {weights: {int(rows): s for rows, s in rates.items()} for weights, rates in compute.items()}
-        codec = kv_codec(target, dtype, key) if probe else None
+        if not probe:
+            return cls(gpu, gpu_ram, host_ram, disk, fill or disk, h2d, None, sources=sources)
+        compute, sources["compute"] = probed(key, "compute", lambda: probe_compute(target, dtype),
+                                             "time this machine's matmuls",
+                                             "compute: matmul rates of each weight format")
+        compute = {weights: {int(rows): s for rows, s in rates.items()} for weights, rates in compute.items()}
+        codec = kv_codec(target, dtype, key)
+        attention, sources["attention"] = probed(key, ATTENTION_RECORD, lambda: probe_attention(target, dtype),
+                                                 "time this machine's attention", "compute: attention over K/V")
         layer = step = None
-        if probe and model is not None:  # (config, a layer's bytes): the model's own layer timed, if not too large
-            probed = model_layer(*model, f"{key} | {config_digest(model[0])}", dtype, target)
-            if probed is not None:
-                layer, step = ({int(rows): s for rows, s in probed[part].items()} for part in ("layer", "step"))
-                sources["layer"] = "probed: the model's own layer"
+        if model is not None:  # (config, a layer's bytes): the model's own layer timed, if not too large
+            layers, source = model_layer(*model, f"{key} | {config_digest(model[0])}", dtype, target)
+            if layers is not None:
+                layer, step = ({int(rows): s for rows, s in layers[part].items()} for part in ("layer", "step"))
+                sources["layer"] = f"probed: the model's own layer, {source}"
         return cls(gpu, gpu_ram, host_ram, disk, fill or disk, h2d, None, compute, layer, step, sources,
-                   kv_codec=codec)
+                   kv_codec=codec, attention_gbps=attention)
 
     def with_flags(self, **given) -> Hardware:
         """This machine, any figure given as a flag taking the measured one's place."""
@@ -144,7 +146,7 @@ class Hardware:
             given["fill_gbps"] = given["disk_gbps"]
             sources["fill_gbps"] = "assumed: the disk's rate"
         if "gpu_tflops" in given:  # another GPU: its FLOPs, not this machine's probes
-            given.update(compute=None, layer_seconds=None, step_seconds=None, kv_codec=None)
+            given.update(compute=None, layer_seconds=None, step_seconds=None, kv_codec=None, attention_gbps=None)
         if "gpu_ram" in given:  # the card's memory, some of which CUDA takes before a run has any
             given["gpu_context"] = CUDA_CONTEXT_BYTES
             sources["gpu_ram"] = f"given, less {CUDA_CONTEXT_BYTES / 1e9:.1f} GB for CUDA's context"
@@ -154,38 +156,49 @@ class Hardware:
 # where the codec's timings are recorded: not "kv_codec", which holds the torch passes' from before
 # the CPU decode kernel (zerolite.quant.kv_decode), several times slower
 KV_CODEC_RECORD = "kv_codec with the decode kernel"
+ATTENTION_RECORD = "kv attention gbps"   # zerolite.planner.kv_probe.probe_attention's rate
+
+
+def probed(key: str, under: str, probe, part: str | None, what: str) -> tuple:
+    """(a probe's figures, where they came from): as recorded under key in under, else timed now by
+    probe() (the planner's part called part where it fails, what saying what is measured) and
+    recorded, marked busy where other work took the cores meanwhile (zerolite.planner.contention):
+    such a probe serves the plans after it until one finds the machine quiet (measurements.kept)."""
+    figures = measurements.kept(key, under)
+    if figures is not None:
+        return figures, "recorded"
+    with planner_part(part) if part else nullcontext(), measuring(what), Contention() as load:
+        figures = probe()
+    if load.quiet:
+        measurements.record(key, figures, under)
+        return figures, "measured now"
+    measurements.record(key, figures, under, busy_cores=load.others_cores)
+    return figures, f"measured now, while other work took {load.others_cores:.1f} cores: to be measured again"
 
 
 def kv_codec(target, dtype: torch.dtype, key: str) -> dict[int, dict[str, float]]:
     """The K/V codec's timings on target (zerolite.planner.kv_probe), as recorded under key or timed now."""
-    from zerolite.planner.kv_probe import probe_kv_codec
-
-    codec = measurements.value(key, KV_CODEC_RECORD)
-    if codec is None:
-        with planner_part("time this machine's K/V codec"), measuring("compute: K/V at 8 and 4 bits"):
-            codec = probe_kv_codec(target, dtype)
-        measurements.record(key, codec, KV_CODEC_RECORD)
+    codec, _ = probed(key, KV_CODEC_RECORD, lambda: probe_kv_codec(target, dtype), "time this machine's K/V codec",
+                      "compute: K/V at 8 and 4 bits")
     return {int(bits): rates for bits, rates in codec.items()}
 
 
-def model_layer(config, layer_bytes: int, key: str, dtype: torch.dtype, target) -> dict | None:
-    """The probe of one of the model's own layers (compute_probe.probe_layer), as recorded under key
-    or timed now; None for a layer larger than PROBE_LAYER_MAX_BYTES, or one the probe cannot time:
-    the matmul rates stand for it. A plan is advice, so a probe that fails costs no run (fourteen
-    families' runs once stopped there): whatever it raises is said in one line, and the plan goes on."""
-    probed = measurements.value(key, "layers")
-    if probed is not None or layer_bytes > PROBE_LAYER_MAX_BYTES:
-        return probed
+def model_layer(config, layer_bytes: int, key: str, dtype: torch.dtype, target) -> tuple[dict | None, str]:
+    """The probe of one of the model's own layers (compute_probe.probe_layer) and where it came from,
+    as recorded under key or timed now; None for a layer larger than PROBE_LAYER_MAX_BYTES, or one
+    the probe cannot time: the matmul rates stand for it. A plan is advice, so a probe that fails
+    costs no run (fourteen families' runs once stopped there): whatever it raises is said in one
+    line, and the plan goes on."""
+    if layer_bytes > PROBE_LAYER_MAX_BYTES:
+        return measurements.value(key, "layers"), "recorded"
     try:
-        with measuring("compute: one of this model's layers"):
-            probed = probe_layer(config, dtype, target)
+        return probed(key, "layers", lambda: probe_layer(config, dtype, target), None,
+                      "compute: one of this model's layers")
     except Exception as e:  # noqa: BLE001 - any family's failure, whatever its type
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         stderr.print(f"plan: could not time one of this model's layers ({reason}); compute estimated from matmul rates",
                      markup=False, highlight=False, soft_wrap=True)
-        return None
-    measurements.record(key, probed, "layers")
-    return probed
+        return None, ""
 
 
 def at(points: dict[int, float], rows: float) -> float:

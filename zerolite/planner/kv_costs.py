@@ -22,9 +22,9 @@ Memory: each tier's share of the job's K/V at its bits; on the device, two layer
 (attention there over off-device K/V: the layer attended and the one being fetched) and one
 micro-batch's layer dequantised; in host memory, two layers' K/V read from disk.
 
-Memory rates: a GPU described by flags has --gpu-gbps; a processor measured here, what its matmuls
-stream at one row (zerolite.planner.compute_probe), and its codec as timed
-(zerolite.planner.kv_probe); the CPU of a GPU machine, --cpu-gbps or its matmuls' (cpu_experts.this_cpu).
+Memory rates: a GPU described by flags has --gpu-gbps; a processor measured here, the rate its
+decode step's attention was timed to stream K/V at, and its codec as timed (zerolite.planner.kv_probe);
+the CPU of a GPU machine, --cpu-gbps or its matmuls' (cpu_experts.this_cpu).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def compute_device(hardware: Hardware, costs) -> Processor:
     """The processor the layers compute on: a described GPU by its flags, else as measured here."""
     if hardware.compute is None:  # a GPU described by flags
         return described(hardware.gpu_gbps)
-    return Processor(streamed_gbps(hardware, costs.dtype.itemsize), hardware.kv_codec or described(None).codec)
+    return Processor(hardware.attention_gbps, hardware.kv_codec or described(None).codec)
 
 
 def described(gbps: float | None) -> Processor:
@@ -125,12 +125,6 @@ def described(gbps: float | None) -> Processor:
     codec = {bits: {"decode_s": per / (gbps * 1e9) if gbps else 0.0, "encode_s": ENCODE_CALL_S}
              for bits, per in CODEC_BYTES_PER_ELEMENT.items()}
     return Processor(gbps, codec)
-
-
-def streamed_gbps(hardware: Hardware, itemsize: int) -> float:
-    """What the probed matmuls stream at one row (memory-bound there), in GB/s."""
-    rates = hardware.compute["stored"]
-    return itemsize / rates[min(rates)] / 1e9
 
 
 def kv_memory(costs, hardware: Hardware, c, tokens: int) -> tuple[float, float]:

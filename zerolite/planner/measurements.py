@@ -7,6 +7,12 @@ system), host-to-device copies, how fast the host tier fills from disk, and the 
 One JSON file in zerolite's cache (zerolite.convert.paths.cache_dir), rewritten whole and atomically
 at every record: several runs may record at once, and the last writer wins, which is what a
 measurement wants. Compute is recorded per CPU (or GPU), dtype and torch version, as kernels differ.
+
+A probe timed while other work took the cores (zerolite.planner.contention) is recorded marked
+busy: plans use it while the machine stays busy (probing again then would time the same load, and
+take seconds each plan), and the first plan that finds the machine quiet, RETRY_S after it, takes
+it again (kept() says so by returning None). Unmarked, a probe timed at a load of 10 once
+priced a model's decode step at 6x its time for every plan after.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ import torch
 
 from zerolite.convert.paths import cache_dir
 from zerolite.io.device import Device
+from zerolite.planner.contention import quiet_now
 
 FILE = "machine.json"
 DISK_RECORDED_BYTES = 256 << 20   # a disk read over fewer bytes says more about latency than rate: not kept
+RETRY_S = 300                     # a probe marked busy is taken again this long after, by a plan that finds the
+                                  # machine quiet
 
 
 def path() -> Path:
@@ -36,12 +45,15 @@ def recorded() -> dict:
         return {}
 
 
-def record(key: str, value, under: str | None = None) -> None:
-    """Sets key (within the map under, where given) to value, with the time it was measured."""
+def record(key: str, value, under: str | None = None, busy_cores: float | None = None) -> None:
+    """Sets key (within the map under, where given) to value, with the time it was measured;
+    busy_cores: the cores other work took meanwhile, for a probe timed on a busy machine."""
     from zerolite.convert.writer import write_atomically
 
     data = recorded()
     entry = {"value": value, "measured": time.strftime("%Y-%m-%d %H:%M")}
+    if busy_cores is not None:
+        entry["busy"] = {"others_cores": round(busy_cores, 2), "at": int(time.time())}
     if under is None:
         data[key] = entry
     else:
@@ -73,9 +85,25 @@ def fill_gbps() -> float | None:
 
 
 def value(key: str, under: str | None = None):
-    data = recorded()
-    entry = (data.get(under, {}) if under else data).get(key)
+    entry = recorded_entry(key, under)
     return entry["value"] if entry else None
+
+
+def recorded_entry(key: str, under: str | None = None) -> dict | None:
+    data = recorded()
+    return (data.get(under, {}) if under else data).get(key)
+
+
+def kept(key: str, under: str | None = None):
+    """A probe's value as recorded, or None where it is to be taken again: none recorded, or one
+    marked busy RETRY_S ago or more while the machine is quiet now."""
+    entry = recorded_entry(key, under)
+    if entry is None:
+        return None
+    busy = entry.get("busy")
+    if busy and time.time() - busy["at"] >= RETRY_S and quiet_now():
+        return None
+    return entry["value"]
 
 
 def file_system(folder: str | os.PathLike) -> str:
