@@ -10,9 +10,35 @@ import pytest
 import zerolite
 from support.cli_runner import run
 from support.simulated_device import SimulatedDevice
+from zerolite.io.engine import IoEngine
 from zerolite.planner.machine import measure_disk
 from zerolite.profile.run import profile_run
 from zerolite.runtime.timeline import Timeline
+
+SLOW_DISK_S = 0.03  # a layer's read on a slow disk: 8 make a step take 240 ms, several times its compute
+
+
+def slow_disk(monkeypatch) -> None:
+    """IoEngine as a disk that reads one request every SLOW_DISK_S, in the order submitted: a
+    ticket's bytes count as arrived (poll, wait) only once its turn has passed."""
+    due: dict[int, float] = {}
+    submit, wait, poll = IoEngine.submit, IoEngine.wait, IoEngine.poll
+
+    def slow_submit(engine, *args, **kwargs):
+        ticket = submit(engine, *args, **kwargs)
+        due[ticket] = max([time.perf_counter(), *due.values()]) + SLOW_DISK_S
+        return ticket
+
+    def slow_wait(engine, ticket, *args, **kwargs):
+        time.sleep(max(due.get(ticket, 0.0) - time.perf_counter(), 0.0))
+        return max(wait(engine, ticket, *args, **kwargs), due.get(ticket, 0.0))
+
+    def slow_poll(engine, ticket):
+        return poll(engine, ticket) if time.perf_counter() >= due.get(ticket, 0.0) else None
+
+    monkeypatch.setattr(IoEngine, "submit", slow_submit)
+    monkeypatch.setattr(IoEngine, "wait", slow_wait)
+    monkeypatch.setattr(IoEngine, "poll", slow_poll)
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +144,14 @@ def test_verdict_compute_bound_with_everything_resident_and_a_large_batch(layout
 
 
 @pytest.mark.alone
-def test_verdict_disk_bound_on_a_gpu_counts_the_device_idle_while_the_host_waits_for_reads(layout):
+def test_verdict_disk_bound_on_a_gpu_counts_the_device_idle_while_the_host_waits_for_reads(layout, monkeypatch):
     """On a GPU the host waits for the disk and the device idles meanwhile: that idle is compute
     waiting. A wait timed only from where the host queued it (after the read) missed it, and an
-    H200 streaming 1.6 GB a step from a 2.2 GB/s disk was called compute-bound (679 of 707 ms)."""
+    H200 streaming 1.6 GB a step from a 2.2 GB/s disk was called compute-bound (679 of 707 ms).
+    The engine's reads are held to one every SLOW_DISK_S, in turn: a disk slower than compute on
+    any machine (the host's cache under this VM's disk may read these 300 MB faster than two cores
+    compute them)."""
+    slow_disk(monkeypatch)
     report, timeline = profiled(layout, "nvme", depth=6, batch=1, device=SimulatedDevice(seed=0))
     assert timeline.on("read wait"), "the host never waited for a read: nothing to count"
     assert report.bottleneck == "disk", report.verdict
