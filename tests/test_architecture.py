@@ -16,7 +16,7 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # Lowest first: a module may import from its own room and from rooms below it, never above.
 LAYERS = [
-    ("errors", "openmp", "huge_pages", "progress", "hf", "text", "sampling", "memory_model", "_engine"),
+    ("errors", "torch_env", "openmp", "huge_pages", "progress", "hf", "text", "sampling", "memory_model", "_engine"),
     ("io",),
     ("layout",),
     ("quant",),

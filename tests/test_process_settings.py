@@ -10,7 +10,7 @@ HUGE_PAGES_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 SHOW = """
 import os, zerolite
-from zerolite.openmp import environment_as_the_user_had_it
+from zerolite.torch_env import environment_as_the_user_had_it
 mine = environment_as_the_user_had_it()
 for name in ("OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE"):
     print(name, os.environ.get(name), mine.get(name))

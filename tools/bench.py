@@ -63,9 +63,9 @@ from zerolite.errors import ZeroliteError
 from zerolite.io.engine import ALIGNMENT
 from zerolite.layout.folder import Layout
 from zerolite.layout.read_pass import read_pass
-from zerolite.openmp import environment_as_the_user_had_it
 from zerolite.planner.machine import DISK_READ_BYTES, drop_page_cache
 from zerolite.runtime.policy import Policy
+from zerolite.torch_env import environment_as_the_user_had_it
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONTENDERS = ["zerolite-nvme", "zerolite-nvme-half", "zerolite-cpu", "transformers-ram",

@@ -14,19 +14,10 @@ process CPU): 0.17-0.21 s each on 4 kB pages, 0.08 s on huge pages.
 
 from __future__ import annotations
 
-import os
-import sys
+from zerolite.torch_env import set_before_torch
 
 HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
-_set_by_zerolite = False
 
 
 def prefer_huge_pages() -> None:
-    global _set_by_zerolite
-    if HUGE_PAGES not in os.environ and "torch" not in sys.modules:
-        os.environ[HUGE_PAGES] = "1"
-        _set_by_zerolite = True
-
-
-def set_by_zerolite() -> bool:
-    return _set_by_zerolite
+    set_before_torch(HUGE_PAGES, "1")

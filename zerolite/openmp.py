@@ -14,17 +14,14 @@ they are, which threads_may_spin() tells (zerolite profile says so).
 from __future__ import annotations
 
 import os
-import sys
+
+from zerolite.torch_env import set_before_torch
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
-_set_by_zerolite = False
 
 
 def prefer_passive_waits() -> None:
-    global _set_by_zerolite
-    if WAIT_POLICY not in os.environ and "torch" not in sys.modules:
-        os.environ[WAIT_POLICY] = "PASSIVE"
-        _set_by_zerolite = True
+    set_before_torch(WAIT_POLICY, "PASSIVE")
 
 
 def threads_may_spin() -> bool:
@@ -32,16 +29,3 @@ def threads_may_spin() -> bool:
     policy and no one else set it, or the user asked for active waits. (zerolite never sets the
     policy once torch is loaded, so the environment says what libgomp read.)"""
     return os.environ.get(WAIT_POLICY, "").upper() != "PASSIVE"
-
-
-def environment_as_the_user_had_it() -> dict[str, str]:
-    """os.environ without what zerolite set for torch (this policy, zerolite.huge_pages'): for
-    running other programs as the user would."""
-    from zerolite import huge_pages
-
-    env = dict(os.environ)
-    if _set_by_zerolite:
-        env.pop(WAIT_POLICY, None)
-    if huge_pages.set_by_zerolite():
-        env.pop(huge_pages.HUGE_PAGES, None)
-    return env
