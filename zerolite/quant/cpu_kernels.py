@@ -107,12 +107,11 @@ class _QuantizedMatmul:
     it: bf16 rows as they are where the path rounds them anyway (no conversion either side of the
     call), fp32 rows otherwise; y [..., out] in that dtype."""
 
-    __slots__ = ("in_features", "out_features", "_exact_path", "_path", "_takes_bf16", "_shapes")
+    __slots__ = ("in_features", "out_features", "_exact_path", "_path", "_takes_bf16")
 
     def __init__(self, out_features: int, in_features: int):
         self.in_features, self.out_features = in_features, out_features
         self._exact_path, self._path, self._takes_bf16 = _rows_paths()
-        self._shapes: tuple = ((), ())  # the last x's shape and its y's
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
         """(x as the kernel reads it, the path, y to write)."""
@@ -127,11 +126,7 @@ class _QuantizedMatmul:
             x = x.float()
         if not x.is_contiguous():
             x = x.contiguous()
-        seen, y_shape = self._shapes
-        if seen != shape:
-            y_shape = (*shape[:-1], self.out_features)
-            self._shapes = (shape, y_shape)
-        return x, path, torch.empty(y_shape, dtype=x.dtype)
+        return x, path, torch.empty((*shape[:-1], self.out_features), dtype=x.dtype)
 
 
 class Int4Matmul(_QuantizedMatmul):
@@ -186,7 +181,7 @@ class Bf16Matmul:
     """x @ a bf16 weight's transpose (bf16_matmul), the weight checked once. x: bf16 [..., in],
     contiguous, on the CPU (what Bf16KernelLinear gives it); weight is the tensor it was made for."""
 
-    __slots__ = ("weight", "_path", "_shapes")
+    __slots__ = ("weight", "_path")
 
     def __init__(self, weight: torch.Tensor):
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() or weight.device != _CPU:
@@ -194,16 +189,10 @@ class Bf16Matmul:
                              f"{weight.dtype} on {weight.device}")
         self.weight = weight
         self._path = kernel_path(exact=False)
-        self._shapes: tuple = ((), ())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_features, in_features = self.weight.shape
-        shape = x.shape
-        seen, y_shape = self._shapes
-        if seen != shape:
-            y_shape = (*shape[:-1], out_features)
-            self._shapes = (shape, y_shape)
-        y = torch.empty(y_shape, dtype=torch.bfloat16)
+        y = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
         _engine.bf16_matmul(x.data_ptr(), x.numel() // in_features, in_features, y.data_ptr(), out_features,
                             self.weight.data_ptr(), out_features, in_features, self._path, kernel_threads())
         return y
