@@ -1,6 +1,5 @@
 // The threads the CPU matmul kernels split their work over: a small pool of its own, so the
-// kernels neither need OpenMP nor leave threads spinning between calls, which would take the
-// cores from the I/O engine's reads. The calling thread takes tasks too, and a call ends when its
+// kernels neither need OpenMP nor leave threads spinning on cores the I/O engine's reads need. The calling thread takes tasks too, and a call ends when its
 // tasks are done: a worker the OS has not run yet (the machine's cores are busy elsewhere) is not
 // waited for, and finds nothing left when it wakes. Idle workers watch for the next call up to a
 // millisecond (a decode step makes hundreds, a few hundred microseconds apart), yielding the core
