@@ -171,7 +171,7 @@ void bf16_matmul(const Bf16Weight& w, const Bf16Rows& r, CpuPath path, int threa
 #ifdef ZEROLITE_X86
   if (path >= CpuPath::avx512bf16) rows = rows_tiled<Bf16Tile>;
   else if (path >= CpuPath::avx512) rows = rows_tiled<Avx512Tile>;
-  else if (path == CpuPath::avx2) rows = rows_tiled<Avx2Tile>;
+  else if (path >= CpuPath::avx2) rows = rows_tiled<Avx2Tile>;
 #endif
   int64_t tasks = (w.out_features + TASK_ROWS - 1) / TASK_ROWS;
   kernel_pool().run(threads, tasks, [&](int64_t task) {

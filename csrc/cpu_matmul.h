@@ -13,13 +13,15 @@ namespace zerolite {
 // Each path is a level of instruction set, each level including the ones below it: a kernel takes
 // the best of its own paths at or below the level it is given. avx512vnni (int4 and int8)
 // quantizes the rows of x to int8 in blocks of 32 columns, as llama.cpp does, and multiplies
-// integers: four times the weights a cycle, at the cost of the activations' rounding.
+// integers: four times the weights a cycle, at the cost of the activations' rounding. avx2int8
+// does the same with AVX2's byte products (vpmaddubsw) where the CPU has no AVX-512: it is the
+// one level the next (avx512, exact) does not include; elsewhere it runs as avx2.
 // avx512bf16 adds the bf16 kernel's dot products of bf16 pairs (int4 and int8 take avx512vnni
 // there). amx adds AMX's bf16 tiles to int4 from 8 rows of x on (the weights dequantised to bf16,
 // x rounded to bf16, fp32 sums; fewer rows as at avx512vnni; int8 and bf16 take avx512bf16
 // there): listed only where the CPU has amx_int8 and amx_bf16 and Linux granted this process the
 // tile state. The others compute in fp32 exactly as the weights dequantise.
-enum class CpuPath { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3, avx512bf16 = 4, amx = 5 };
+enum class CpuPath { scalar = 0, avx2 = 1, avx2int8 = 2, avx512 = 3, avx512vnni = 4, avx512bf16 = 5, amx = 6 };
 
 // The paths this CPU can run, best last (scalar always).
 std::vector<std::string> supported_cpu_paths();
@@ -52,8 +54,8 @@ struct Rows {
   int64_t count, x_stride;
   float* y;
   int64_t y_stride;
-  // Or bf16 rows in and out (x and y then null): the avx512vnni paths read and write them as they
-  // are (no conversion either side of a call); elsewhere they go through fp32 copies.
+  // Or bf16 rows in and out (x and y then null): the paths that round x to int8 read and write
+  // them as they are (no conversion either side of a call); elsewhere they go through fp32 copies.
   const uint16_t* x_bf16 = nullptr;
   uint16_t* y_bf16 = nullptr;
 };

@@ -35,7 +35,10 @@ std::vector<std::string> supported_cpu_paths() {
   std::vector<std::string> paths{"scalar"};
 #ifdef ZEROLITE_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.push_back("avx2");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    paths.push_back("avx2");
+    paths.push_back("avx2int8");
+  }
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     paths.push_back("avx512");
@@ -54,6 +57,7 @@ CpuPath cpu_path_named(const std::string& name) {
     if (name == "avx512bf16") return CpuPath::avx512bf16;
     if (name == "avx512vnni") return CpuPath::avx512vnni;
     if (name == "avx512") return CpuPath::avx512;
+    if (name == "avx2int8") return CpuPath::avx2int8;
     if (name == "avx2") return CpuPath::avx2;
     return CpuPath::scalar;
   }

@@ -380,6 +380,164 @@ void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const XBlock
   }
 }
 
+// avx2int8: the vnni tile's scheme with AVX2's byte products, for "halves" blocks of 64 rows
+// (AVX-512's packing) and of 32 (AVX2's). Four columns' nibbles are interleaved by unpacks so that
+// each 32-bit lane holds one row's four nibbles; vpmaddubsw multiplies them by the four columns of
+// x (pairs summed to int16: at most 2 x 15 x 127) and vpmaddwd by ones sums the pairs to int32.
+// The unpacks work within 128-bit halves, so a register's eight lanes are rows 4i .. 4i + 3 and
+// 4i + H / 4 .. of a half of H = ROWS / 2 rows (lane_row).
+template <int ROWS>
+inline int lane_row(int lane) {  // lane: register * 8 + position
+  constexpr int HALF = ROWS / 2, PER_HALF = ROWS / 16;  // rows and registers a half
+  const int reg = lane / 8, j = lane % 8;
+  return HALF * (reg / PER_HALF) + 4 * (reg % PER_HALF) + (j & 3) + (j >= 4 ? HALF / 2 : 0);
+}
+
+// A group's scales and zeros for a block's rows, in lane order.
+template <int ROWS>
+ZEROLITE_AVX2 void lane_scales_avx2(const Int4Weight& w, const Block& b, int64_t g, float* scale, float* zero) {
+  if (!w.bf16_scales) {
+    for (int lane = 0; lane < ROWS; ++lane) scale_zero_at(w, g, b.row0 + lane_row<ROWS>(lane), scale[lane], zero[lane]);
+    return;
+  }
+  // A row's scale and zero are one 32-bit word: the scale's bf16 bits in its low half.
+  const int32_t* words = static_cast<const int32_t*>(w.scale_zero) + g * w.out_features + b.row0;
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int reg = 0; reg < ROWS / 8; ++reg) {
+    const int32_t* first = words + lane_row<ROWS>(8 * reg);  // lanes 0-3 its rows, 4-7 those ROWS / 4 on
+    const __m256i pair = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + ROWS / 4)), 1);
+    _mm256_store_ps(scale + 8 * reg, _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16)));
+    _mm256_store_ps(zero + 8 * reg, _mm256_castsi256_ps(_mm256_and_si256(pair, high_half)));
+  }
+}
+
+// Four columns from k of a block's rows as quads, four registers: a 64-row block's low nibbles
+// (rows 0-31, pass 0) or high ones (pass 1); a 32-row block's all (its columns are 16 bytes, so
+// two of them share a register: k and k + 2 in one, k + 1 and k + 3 in the other).
+template <int ROWS>
+ZEROLITE_AVX2 __attribute__((always_inline)) inline void quads_avx2(const uint8_t* columns, int pass, __m256i* quads) {
+  const __m256i low_nibble = _mm256_set1_epi8(15);
+  if constexpr (ROWS == 64) {
+    __m256i nibbles[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(columns + 32 * c));
+      nibbles[c] = _mm256_and_si256(pass ? _mm256_srli_epi16(raw, 4) : raw, low_nibble);
+    }
+    const __m256i pairs_low = _mm256_unpacklo_epi8(nibbles[0], nibbles[1]);
+    const __m256i pairs_high = _mm256_unpackhi_epi8(nibbles[0], nibbles[1]);
+    const __m256i next_low = _mm256_unpacklo_epi8(nibbles[2], nibbles[3]);
+    const __m256i next_high = _mm256_unpackhi_epi8(nibbles[2], nibbles[3]);
+    quads[0] = _mm256_unpacklo_epi16(pairs_low, next_low);
+    quads[1] = _mm256_unpackhi_epi16(pairs_low, next_low);
+    quads[2] = _mm256_unpacklo_epi16(pairs_high, next_high);
+    quads[3] = _mm256_unpackhi_epi16(pairs_high, next_high);
+  } else {
+    const __m256i even = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(columns + 32),
+                                             reinterpret_cast<const __m128i*>(columns));
+    const __m256i odd = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(columns + 48),
+                                            reinterpret_cast<const __m128i*>(columns + 16));
+#pragma GCC unroll 2
+    for (int high = 0; high < 2; ++high) {
+      const __m256i a = _mm256_and_si256(high ? _mm256_srli_epi16(even, 4) : even, low_nibble);
+      const __m256i c = _mm256_and_si256(high ? _mm256_srli_epi16(odd, 4) : odd, low_nibble);
+      const __m256i first = _mm256_unpacklo_epi8(a, c), second = _mm256_unpackhi_epi8(a, c);  // rows 0-7, 8-15
+      const __m256i near = _mm256_permute2x128_si256(first, second, 0x20);  // columns k, k + 1
+      const __m256i far = _mm256_permute2x128_si256(first, second, 0x31);   // columns k + 2, k + 3
+      quads[2 * high] = _mm256_unpacklo_epi16(near, far);
+      quads[2 * high + 1] = _mm256_unpackhi_epi16(near, far);
+    }
+  }
+}
+
+template <int ROWS, int M>
+ZEROLITE_AVX2 void tile_avx2int8(const Int4Weight& w, const Block& b, const XBlocks& xq, int64_t m0, const Rows& r) {
+  constexpr int PASSES = ROWS / 32, BYTES = ROWS / 2;  // passes over a column's bytes; bytes a column
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t groups = w.stored_in / w.group_size, blocks_per_group = w.group_size / X_BLOCK;
+  alignas(32) float sum[M][ROWS] = {};  // the block's outputs in lane order
+  alignas(32) float scale[ROWS], zero[ROWS];
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k0 = g * w.group_size;
+    if (k0 >= w.in_features) break;
+    lane_scales_avx2<ROWS>(w, b, g, scale, zero);
+    const int64_t group_end = std::min<int64_t>(k0 + w.group_size, w.in_features);
+    for (int64_t x0 = k0; x0 < group_end; x0 += X_BLOCK) {
+      for (int pass = 0; pass < PASSES; ++pass) {
+        __m256i dot[M][4];
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) dot[m][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int k = 0; k < X_BLOCK; k += 4) {
+          const uint8_t* columns = b.base + (x0 + k) * BYTES;
+          if (pass == 0) {  // a page ahead, as the vnni tile
+            _mm_prefetch(reinterpret_cast<const char*>(columns + PREFETCH_AHEAD), _MM_HINT_T0);
+            if constexpr (ROWS == 64)
+              _mm_prefetch(reinterpret_cast<const char*>(columns + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+          }
+          __m256i quads[4];
+          quads_avx2<ROWS>(columns, pass, quads);
+#pragma GCC unroll 16
+          for (int m = 0; m < M; ++m) {
+            int32_t four;
+            std::memcpy(&four, xq.q.data() + (m0 + m) * xq.padded + x0 + k, 4);
+            const __m256i xs = _mm256_set1_epi32(four);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i)
+              dot[m][i] = _mm256_add_epi32(dot[m][i], _mm256_madd_epi16(_mm256_maddubs_epi16(quads[i], xs), ones));
+          }
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m) {
+          const int64_t block = (m0 + m) * xq.blocks + x0 / X_BLOCK;
+          const __m256 step = _mm256_set1_ps(xq.step[block]);
+          const __m256i eight_sums = _mm256_set1_epi32(8 * xq.q_sum[block]);  // (q - 8) . x, as the vnni tile
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) {
+            const int lane = 32 * pass + 8 * i;
+            const __m256 products = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[m][i], eight_sums));
+            _mm256_store_ps(sum[m] + lane, _mm256_fmadd_ps(products, _mm256_mul_ps(_mm256_load_ps(scale + lane), step),
+                                                           _mm256_load_ps(sum[m] + lane)));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const float* block_sums = xq.sum.data() + (m0 + m) * xq.blocks + g * blocks_per_group;
+      float group_sum = 0.0f;  // x's own, unrounded
+      for (int64_t i = 0; i < blocks_per_group; ++i) group_sum += block_sums[i];
+      const __m256 total = _mm256_set1_ps(group_sum);
+      for (int lane = 0; lane < ROWS; lane += 8)
+        _mm256_store_ps(sum[m] + lane,
+                        _mm256_fmadd_ps(_mm256_load_ps(zero + lane), total, _mm256_load_ps(sum[m] + lane)));
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int lane = 0; lane < ROWS; ++lane) {
+      const int64_t at = (m0 + m) * r.y_stride + b.row0 + lane_row<ROWS>(lane);
+      if (r.y_bf16) r.y_bf16[at] = narrow_bf16(sum[m][lane]);
+      else r.y[at] = sum[m][lane];
+    }
+}
+
+template <int ROWS>
+void block_avx2int8_rows(const Int4Weight& w, const Block& b, const Rows& r, const XBlocks& xq) {
+  int64_t m = 0;
+  for (; m + 2 <= r.count; m += 2) tile_avx2int8<ROWS, 2>(w, b, xq, m, r);
+  if (m < r.count) tile_avx2int8<ROWS, 1>(w, b, xq, m, r);
+}
+
+void block_avx2int8(const Int4Weight& w, const Block& b, const Rows& r, const XBlocks& xq) {
+  if (b.halves && b.rows == 64) block_avx2int8_rows<64>(w, b, r, xq);
+  else if (b.halves && b.rows == 32) block_avx2int8_rows<32>(w, b, r, xq);
+  else block_avx2(w, b, r);
+}
+
 // amx (csrc/int4_amx.cpp) from AMX_MIN_ROWS rows of x on: below, the dequantisation it costs
 // whatever the rows outweighs the vnni tile's products (measured, one thread: 0.7x its speed at
 // 1 and 4 rows, 1.0 to 1.1x at 8, 1.6x at 16, 2.8x at 64).
@@ -393,9 +551,12 @@ void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) 
   int64_t blocks = (w.out_features + w.block_rows - 1) / w.block_rows;
   void (*block)(const Int4Weight&, const Block&, const Rows&) = block_scalar;
 #ifdef ZEROLITE_X86
-  // bf16 rows as they are where every block takes the vnni tile (64-row "halves" blocks, whole)
+  // bf16 rows as they are where every block takes the vnni tile (64-row "halves" blocks, whole) or
+  // the avx2int8 one (64 or 32)
   const bool vnni = path >= CpuPath::avx512vnni && w.group_size % X_BLOCK == 0;
-  if (r.x_bf16 && !(vnni && w.halves && w.block_rows == 64 && w.out_features % 64 == 0)) {
+  const bool avx2int8 = path == CpuPath::avx2int8 && w.group_size % X_BLOCK == 0;
+  const bool tiled = vnni ? w.block_rows == 64 : avx2int8 && (w.block_rows == 64 || w.block_rows == 32);
+  if (r.x_bf16 && !(tiled && w.halves && w.out_features % w.block_rows == 0)) {
 #else
   if (r.x_bf16) {
 #endif
@@ -412,13 +573,14 @@ void int4_matmul(const Int4Weight& w, const Rows& r, CpuPath path, int threads) 
     });
     return;
   }
-  if (vnni) {
-    const XBlocks xq = x_blocks(r, w.in_features, w.stored_in);
-    kernel_pool().run(threads, blocks, [&](int64_t index) { block_vnni(w, block_at(w, index), r, xq); });
+  if (vnni || avx2int8) {
+    const XBlocks xq = x_blocks(r, w.in_features, w.stored_in, path);
+    auto tile = vnni ? block_vnni : block_avx2int8;
+    kernel_pool().run(threads, blocks, [&](int64_t index) { tile(w, block_at(w, index), r, xq); });
     return;
   }
   if (path >= CpuPath::avx512) block = block_avx512;
-  if (path == CpuPath::avx2) block = block_avx2;
+  if (path == CpuPath::avx2 || path == CpuPath::avx2int8) block = block_avx2;
 #endif
   kernel_pool().run(threads, blocks, [&](int64_t index) { block(w, block_at(w, index), r); });
 }

@@ -1,8 +1,8 @@
 // int8 weight-only matmul: each output is a dot product along a stored row, widened to fp32 16
 // (AVX-512) or 8 (AVX2) columns at a time; a tile of 4 weight rows by up to 4 rows of x shares
-// every load. avx512vnni instead rounds x to int8 per 32 columns (as llama.cpp's Q8_0 does) and
-// multiplies bytes (8 weight rows a tile for a single row of x). The work is split by runs of
-// output rows.
+// every load. avx512vnni and avx2int8 instead round x to int8 per 32 columns (as llama.cpp's Q8_0
+// does) and multiply bytes (avx512vnni: 8 weight rows a tile for a single row of x). The work is
+// split by runs of output rows.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -137,8 +137,8 @@ struct QuantizedRows {
   std::vector<float> offset;  // [rows]
 };
 
-QuantizedRows quantize_rows(const Rows& r, int64_t in) {
-  QuantizedRows out{x_blocks(r, in, (in + STEP - 1) / STEP * STEP), std::vector<float>(r.count)};
+QuantizedRows quantize_rows(const Rows& r, int64_t in, CpuPath path) {
+  QuantizedRows out{x_blocks(r, in, (in + STEP - 1) / STEP * STEP, path), std::vector<float>(r.count)};
   const XBlocks& xb = out.blocks;
   for (int64_t m = 0; m < r.count; ++m) {
     double offset = 0.0;
@@ -213,6 +213,66 @@ void rows_vnni(const Int8Weight& w, const QuantizedRows& xq, const Rows& r, int6
   for (; n < last; ++n) rows_of_x_vnni<1>(w, xq, r, n);
 }
 
+// avx2int8: the same rounding of x, 32 columns (one block) a step. vpmaddubsw multiplies unsigned
+// bytes by signed ones, as llama.cpp's AVX2 Q8_0 does: |w| by x with w's sign (vpsignb), pairs
+// summed to int16 (at most 2 x 128 x 127: no saturation), then to int32 by vpmaddwd. The rows'
+// last partial step is copied into zeroed bytes (AVX2 has no masked byte loads); x's padding is zero.
+template <int N, int M>
+ZEROLITE_AVX2 void tile_avx2int8(const Int8Weight& w, const XBlocks& xb, const Rows& r, int64_t m0, int64_t n0) {
+  __m256 acc[M][N];
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) acc[m][n] = _mm256_setzero_ps();
+  const int64_t in = w.in_features;
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) int8_t last[N][X_BLOCK];
+  for (int64_t k = 0, b = 0; k < in; k += X_BLOCK, ++b) {
+    __m256i rows[N];
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) {
+      const int8_t* q = w.q + (n0 + n) * in + k;
+      if (in - k < X_BLOCK) {
+        std::memset(last[n], 0, X_BLOCK);
+        std::memcpy(last[n], q, in - k);
+        q = last[n];
+      }
+      rows[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q.data() + (m0 + m) * xb.padded + k));
+      const __m256 step = _mm256_set1_ps(xb.step[(m0 + m) * xb.blocks + b]);
+#pragma GCC unroll 16
+      for (int n = 0; n < N; ++n) {
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(rows[n], rows[n]), _mm256_sign_epi8(xs, rows[n]));
+        acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), step, acc[m][n]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) {
+      const float y = sum_avx2(acc[m][n]) * w.scale[n0 + n];
+      if (r.y_bf16) r.y_bf16[(m0 + m) * r.y_stride + n0 + n] = narrow_bf16(y);
+      else r.y[(m0 + m) * r.y_stride + n0 + n] = y;
+    }
+}
+
+template <int N>
+void rows_of_x_avx2int8(const Int8Weight& w, const XBlocks& xb, const Rows& r, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 2 <= r.count; m += 2) tile_avx2int8<N, 2>(w, xb, r, m, n0);
+  if (m < r.count) tile_avx2int8<N, 1>(w, xb, r, m, n0);
+}
+
+void rows_avx2int8(const Int8Weight& w, const XBlocks& xb, const Rows& r, int64_t first, int64_t last) {
+  int64_t n = first;
+  for (; n + 4 <= last; n += 4) rows_of_x_avx2int8<4>(w, xb, r, n);
+  for (; n < last; ++n) rows_of_x_avx2int8<1>(w, xb, r, n);
+}
+
 #endif  // ZEROLITE_X86
 
 }  // namespace
@@ -221,7 +281,8 @@ void int8_matmul(const Int8Weight& w, const Rows& r, CpuPath path, int threads) 
   int64_t tasks = (w.out_features + TASK_ROWS - 1) / TASK_ROWS;
   void (*rows)(const Int8Weight&, const Rows&, int64_t, int64_t) = rows_scalar;
 #ifdef ZEROLITE_X86
-  if (r.x_bf16 && path < CpuPath::avx512vnni) {  // bf16 rows as they are on the vnni path only
+  // bf16 rows as they are on the paths that round them to int8 only
+  if (r.x_bf16 && path < CpuPath::avx512vnni && path != CpuPath::avx2int8) {
 #else
   if (r.x_bf16) {
 #endif
@@ -229,15 +290,22 @@ void int8_matmul(const Int8Weight& w, const Rows& r, CpuPath path, int threads) 
     return;
   }
 #ifdef ZEROLITE_X86
+  if (path == CpuPath::avx2int8) {
+    const XBlocks xb = x_blocks(r, w.in_features, (w.in_features + X_BLOCK - 1) / X_BLOCK * X_BLOCK, path);
+    kernel_pool().run(threads, tasks, [&](int64_t task) {
+      rows_avx2int8(w, xb, r, task * TASK_ROWS, std::min(w.out_features, (task + 1) * TASK_ROWS));
+    });
+    return;
+  }
   if (path >= CpuPath::avx512vnni) {
-    const QuantizedRows xq = quantize_rows(r, w.in_features);
+    const QuantizedRows xq = quantize_rows(r, w.in_features, path);
     kernel_pool().run(threads, tasks, [&](int64_t task) {
       rows_vnni(w, xq, r, task * TASK_ROWS, std::min(w.out_features, (task + 1) * TASK_ROWS));
     });
     return;
   }
   if (path >= CpuPath::avx512) rows = rows_avx512;
-  if (path == CpuPath::avx2) rows = rows_avx2;
+  if (path == CpuPath::avx2) rows = rows_avx2;  // (avx2int8 returned above)
 #endif
   kernel_pool().run(threads, tasks, [&](int64_t task) {
     rows(w, r, task * TASK_ROWS, std::min(w.out_features, (task + 1) * TASK_ROWS));

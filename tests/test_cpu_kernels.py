@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import zerolite.quant.linear
 from zerolite.errors import ZeroliteError
 from zerolite.quant import bf16_linear, cpu_kernels
 from zerolite.quant.bf16_linear import Bf16KernelLinear, use_bf16_kernel
 from zerolite.quant.int4_packing import CANDIDATES, Int4Packing, pack_int4, unpack_int4
-from zerolite.quant.linear import dequantize_int4
-from zerolite.quant.quantize import LinearShape, linear_shape, quantize_int4, quantize_int8
+from zerolite.quant.linear import Int4Linear, Int8Linear, dequantize_int4
+from zerolite.quant.quantize import LinearShape, WeightScheme, linear_shape, quantize_int4, quantize_int8
 
 PATHS = cpu_kernels.supported_paths()
 # (out, in, group): out a multiple of 16 (the packer's), its last block of 16, 32 or 48 rows
@@ -162,12 +163,14 @@ ROUNDING_PATHS = [p for p in cpu_kernels.ROUNDS_ACTIVATIONS if p in QUANTIZED_PA
 @pytest.mark.parametrize("rounding_path", ROUNDING_PATHS)
 @pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_rounds_rows_as_llama_cpp_does(rounding_path, shape, dtype, monkeypatch):
-    """The 64-row "halves" blocks multiply x rounded per 32 columns (its exact sums weigh the
-    zeros): each output as those integers give it, to fp32's sums; other blocks exact."""
+@pytest.mark.parametrize("block_rows", [64, 32])
+def test_int4_rounds_rows_as_llama_cpp_does(rounding_path, shape, dtype, block_rows, monkeypatch):
+    """The "halves" blocks the path tiles (64 rows: AVX-512's packing; avx2int8 also 32: AVX2's)
+    multiply x rounded per 32 columns (its exact sums weigh the zeros): each output as those
+    integers give it, to fp32's sums; other blocks exact."""
     monkeypatch.setenv(cpu_kernels.PATH_VARIABLE, rounding_path)
     out, inp, group = shape
-    packing = Int4Packing(64, "halves")
+    packing = Int4Packing(block_rows, "halves")
     generator = torch.Generator().manual_seed(out + inp)
     q, scale_zero = quantize_int4(torch.randn(out, inp, generator=generator).bfloat16(), group)
     stored_in = q.shape[1]
@@ -177,7 +180,8 @@ def test_int4_rounds_rows_as_llama_cpp_does(rounding_path, shape, dtype, monkeyp
         x = (torch.randn(rows, inp, generator=generator) * ROW_SIZES[:rows]).to(dtype)
         exact = F.pad(x.double(), (0, stored_in - inp))
         expected = rounded_rows(x, stored_in) @ ((q.double() - 8) * scale).t() + exact @ zero.t()
-        whole = out // 64 * 64  # rows past the whole blocks: exact
+        tiled = block_rows == 64 or rounding_path == "avx2int8"
+        whole = out // block_rows * block_rows if tiled else 0  # rows past the whole blocks: exact
         expected[:, whole:] = exact @ ((q[whole:].double() - 8) * scale[whole:] + zero[whole:]).t()
         assert_as_rounded(cpu_kernels.int4_matmul(x, packed, scale_zero, out, group, packing), expected, inp)
 
@@ -253,7 +257,9 @@ def test_bf16_computes_its_fp32_sums_rounded_to_bf16(path, shape):
 
 def test_a_cpu_bf16_linear_takes_the_kernel_for_few_rows_and_torch_for_many(monkeypatch):
     """use_bf16_kernel keeps each Linear's parameters (tied weights stay tied); bf16 calls of
-    fewer than KERNEL_ROWS rows take the kernel, others (and fp32 ones) F.linear, with the bias."""
+    fewer than KERNEL_ROWS rows take the kernel, others (and fp32 ones) F.linear, with the bias
+    (KERNEL_ROWS as a CPU with bf16 instructions has it)."""
+    monkeypatch.setattr(bf16_linear, "KERNEL_ROWS", 4)
     model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(24, 40, bias=False)).bfloat16()
     model[1].weight = torch.nn.Parameter(model[0].weight.t().contiguous())
     weights = [module.weight for module in model]
@@ -270,6 +276,45 @@ def test_a_cpu_bf16_linear_takes_the_kernel_for_few_rows_and_torch_for_many(monk
         assert torch.allclose(model[0](x).float(), expected, rtol=2 ** -7, atol=1e-2)
     assert calls == [1, few]
     assert model.float()[0](torch.randn(2, 40)).dtype == torch.float32 and calls == [1, few]
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return set(next(line for line in cpuinfo if line.startswith("flags")).split(":")[1].split())
+
+
+def test_a_prefill_s_rows_take_torch_s_bf16_matmul_only_where_the_cpu_has_bf16_instructions(monkeypatch):
+    """Without AVX-512 BF16 or AMX torch's bf16 matmul widens as it goes, several times slower
+    than fp32's or the kernels': there 1024 bf16 rows of a bf16 layer take the bf16 kernel, an int8
+    layer's its kernel, and an int4 weight dequantises into fp32; with them, torch's bf16 matmul
+    runs each."""
+    hardware = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert cpu_kernels.bf16_matmul_in_hardware() == hardware
+    weight = torch.randn(64, 96)
+    x = torch.randn(1024, 96).bfloat16()  # from TILES_INT4_DEQUANTIZE_ROWS on, AMX dequantises too
+    kernels = []
+    for kind in (cpu_kernels.Bf16Matmul, cpu_kernels.Int8Matmul):
+        monkeypatch.setattr(kind, "__call__",
+                            lambda m, rows, call=kind.__call__: kernels.append(type(m)) or call(m, rows))
+    dequantised_into = []
+    dequantize = zerolite.quant.linear.int4_dequantize_transposed
+    monkeypatch.setattr(zerolite.quant.linear, "int4_dequantize_transposed",
+                        lambda out, *a: dequantised_into.append(out.dtype) or dequantize(out, *a))
+
+    bf16_layer = torch.nn.Linear(96, 64, bias=False).bfloat16()
+    use_bf16_kernel(bf16_layer)
+    int8_layer = Int8Linear(64, 96, torch.bfloat16, None, dequantize=False)
+    int8_layer.weight, int8_layer.weight_scale = quantize_int8(weight.bfloat16())
+    scheme = WeightScheme.parse("int4", 32)
+    int4_layer = Int4Linear(64, 96, scheme, torch.bfloat16, None, dequantize=False)
+    q, int4_layer.weight_scale_zero = quantize_int4(weight.bfloat16(), 32)
+    int4_layer.weight = pack_int4(q, scheme.packing)
+    for layer, dense in [(bf16_layer, bf16_layer.weight), (int8_layer, int8_layer.dequantized(torch.float32)),
+                         (int4_layer, int4_layer.dequantized(torch.float32))]:
+        expected = x.float() @ dense.float().t()
+        assert torch.allclose(layer(x).float(), expected, rtol=2 ** -7, atol=2e-2 * expected.abs().max().item())
+    assert kernels == ([] if hardware else [cpu_kernels.Bf16Matmul, cpu_kernels.Int8Matmul])
+    assert dequantised_into == [torch.bfloat16 if hardware else torch.float32]
 
 
 def test_the_kernels_take_rows_of_any_layout_and_dtype(path):

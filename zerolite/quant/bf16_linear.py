@@ -1,7 +1,9 @@
 """A CPU's bf16 Linear layers, at a decode step's few rows, through zerolite's bf16 kernel
 (zerolite.quant.cpu_kernels.bf16_matmul): a GEMV that reads each weight once at the memory's
 speed, where torch's bf16 path read 6 to 23 GB/s by shape (the head's 131 MB at 6 to 10 GB/s:
-docs/benchmarks-cpu-kernels.md). From KERNEL_ROWS rows on, torch's matmul (oneDNN: AMX) wins and runs.
+docs/benchmarks-cpu-kernels.md). From KERNEL_ROWS rows on, torch's matmul (oneDNN: AMX) wins and runs,
+where the CPU has bf16 instructions; where it has none, torch's bf16 matmul is slower than the kernel
+at every row count (cpu_kernels.bf16_matmul_in_hardware), and the kernel takes them all.
 
     use_bf16_kernel(model)   # once, on the model a CPU runs; the weights bound later are read as bound
 
@@ -15,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerolite.quant.cpu_kernels import Bf16Matmul
+from zerolite.quant.cpu_kernels import Bf16Matmul, bf16_matmul_in_hardware
 
-# Below this many rows the kernel beats torch's bf16 matmul (docs/benchmarks-cpu-kernels.md): from 4 on, level.
-KERNEL_ROWS = 4
+# Below this many rows the kernel beats torch's bf16 matmul (docs/benchmarks-cpu-kernels.md): from 4 on, level
+# with AMX or AVX-512 BF16; without them, torch's widens as it goes (512 rows of 2048 into 5632 on an AVX2 EPYC:
+# 575 ms, the kernel 139).
+KERNEL_ROWS = 4 if bf16_matmul_in_hardware() else 1 << 62
 _CPU = torch.device("cpu")
 
 

@@ -39,13 +39,23 @@ from zerolite.errors import ZeroliteError
 from zerolite.quant.int4_packing import Int4Packing
 
 PATH_VARIABLE = "ZEROLITE_CPU_KERNEL"
-# int4 and int8 there: x rounded to int8 per 32 columns, as llama.cpp does (each includes avx512vnni)
-ROUNDS_ACTIVATIONS = ("avx512vnni", "avx512bf16", "amx")
+# int4 and int8 there: x rounded to int8 per 32 columns, as llama.cpp does (avx2int8 on AVX2's byte
+# products; the others include avx512vnni)
+ROUNDS_ACTIVATIONS = ("avx2int8", "avx512vnni", "avx512bf16", "amx")
 
 
 def supported_paths() -> list[str]:
     """The kernel paths this CPU runs, best last."""
     return list(_engine.cpu_kernel_paths())
+
+
+@functools.cache
+def bf16_matmul_in_hardware() -> bool:
+    """Whether torch's bf16 matmul runs on this CPU's own bf16 instructions (AVX-512 BF16 or AMX,
+    through oneDNN). Without them it widens as it goes, at a sixth of fp32's speed or less (an AVX2
+    EPYC, 2 threads, 512 rows of 2048 into 5632: bf16 575 ms, fp32 96 ms; zerolite's bf16 kernel
+    139 ms: docs/benchmarks-cpu-kernels.md), and the layers' many-row products take another path."""
+    return any(path in supported_paths() for path in ("avx512bf16", "amx"))
 
 
 @functools.cache

@@ -28,7 +28,13 @@ from torch import nn
 from zerolite import memory_model
 from zerolite.io.device import Device
 from zerolite.layout.manifest import DTYPES, Manifest, TensorEntry
-from zerolite.quant.cpu_kernels import Int4Matmul, Int8Matmul, int4_dequantize_transposed, int4_in_tiles
+from zerolite.quant.cpu_kernels import (
+    Int4Matmul,
+    Int8Matmul,
+    bf16_matmul_in_hardware,
+    int4_dequantize_transposed,
+    int4_in_tiles,
+)
 from zerolite.quant.gpu_int4 import Int4Kernel, fits, inner_k_tiles, int4_kernel, paired_columns
 from zerolite.quant.int4_packing import Int4Packing, unpack_int4
 from zerolite.quant.quantize import (
@@ -41,9 +47,14 @@ from zerolite.quant.quantize import (
 
 # From these many rows on, dequantise-then-matmul beats the CPU kernels: their cost grows with
 # the rows, while dequantising costs the same for one row as for many. Where the two cross depends
-# on the CPU; these were set from the one measured (docs/benchmarks-cpu-kernels.md).
-DEQUANTIZE_ROWS = 64
+# on the CPU; these were set from those measured (docs/benchmarks-cpu-kernels.md). Where the CPU has
+# no bf16 instructions, torch's bf16 matmul runs at a sixth of fp32's speed (bf16_matmul_in_hardware):
+# int4 dequantises into fp32 there (64 rows level with the kernel, 512 rows 2.5x faster on an AVX2
+# EPYC), and int8's kernel, within 1.25x of dequantise-then-fp32 at 512 rows, takes every row count.
+DEQUANTIZE_ROWS = 64 if bf16_matmul_in_hardware() else 1 << 62
 INT4_DEQUANTIZE_ROWS = 64
+# The dtype an int4 weight dequantises into for a CPU's matmul of bf16 rows.
+INT4_DEQUANTIZED_DTYPE = torch.bfloat16 if bf16_matmul_in_hardware() else torch.float32
 # Where int4 multiplies in AMX's tiles (cpu_kernels.int4_in_tiles) the kernel's cost grows with
 # the rows far more slowly: it beats dequantise-then-matmul up to this many (level here, 1.2x
 # slower at 2048 rows).
@@ -197,7 +208,7 @@ class Int4Linear(QuantizedLinear):
         if count >= INT4_DEQUANTIZE_ROWS and (count >= TILES_INT4_DEQUANTIZE_ROWS or not int4_in_tiles(
                 x.dtype, self.out_features, self.group_size, self.packing)):
             # The transpose, as the kernel writes it in one pass; torch's matmul takes either.
-            dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+            dtype = INT4_DEQUANTIZED_DTYPE if x.dtype == torch.bfloat16 else torch.float32
             transposed = self._buffer((self.in_features, self.out_features), x, dtype)
             int4_dequantize_transposed(transposed, self.weight, self._buffers["weight" + SCALE_ZERO_SUFFIX],
                                        self.group_size, self.packing)
