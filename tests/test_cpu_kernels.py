@@ -283,24 +283,24 @@ def cpu_flags() -> set[str]:
         return set(next(line for line in cpuinfo if line.startswith("flags")).split(":")[1].split())
 
 
-def test_a_prefill_s_rows_take_torch_s_bf16_matmul_only_where_the_cpu_has_bf16_instructions(monkeypatch):
-    """Without AVX-512 BF16 or AMX torch's bf16 matmul widens as it goes, several times slower
-    than fp32's or the kernels': there 1024 bf16 rows of a bf16 layer take the bf16 kernel, an int8
-    layer's its kernel, and an int4 weight dequantises into fp32; with them, torch's bf16 matmul
-    runs each."""
+def test_many_rows_take_torch_s_bf16_matmul_only_where_the_cpu_has_bf16_instructions(monkeypatch):
+    """Without AVX-512 BF16 or AMX torch's bf16 matmul widens as it goes, several times slower than
+    fp32's or the kernels': there a bf16 layer's 128 rows take the bf16 kernel and its 1024 rows
+    torch's matmul in fp32, and int8 and int4 layers' rows their kernels at both counts; with them,
+    the kernels stop at their thresholds and torch's bf16 matmul runs."""
     hardware = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
     assert cpu_kernels.bf16_matmul_in_hardware() == hardware
-    weight = torch.randn(64, 96)
-    x = torch.randn(1024, 96).bfloat16()  # from TILES_INT4_DEQUANTIZE_ROWS on, AMX dequantises too
-    kernels = []
-    for kind in (cpu_kernels.Bf16Matmul, cpu_kernels.Int8Matmul):
+    calls = []
+    for kind in (cpu_kernels.Bf16Matmul, cpu_kernels.Int8Matmul, cpu_kernels.Int4Matmul):
         monkeypatch.setattr(kind, "__call__",
-                            lambda m, rows, call=kind.__call__: kernels.append(type(m)) or call(m, rows))
-    dequantised_into = []
+                            lambda m, rows, call=kind.__call__: calls.append(type(m).__name__) or call(m, rows))
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *a: calls.append(f"torch {x.dtype}") or linear(x, *a))
     dequantize = zerolite.quant.linear.int4_dequantize_transposed
     monkeypatch.setattr(zerolite.quant.linear, "int4_dequantize_transposed",
-                        lambda out, *a: dequantised_into.append(out.dtype) or dequantize(out, *a))
+                        lambda out, *a: calls.append(f"int4 into {out.dtype}") or dequantize(out, *a))
 
+    weight = torch.randn(64, 96)
     bf16_layer = torch.nn.Linear(96, 64, bias=False).bfloat16()
     use_bf16_kernel(bf16_layer)
     int8_layer = Int8Linear(64, 96, torch.bfloat16, None, dequantize=False)
@@ -309,12 +309,24 @@ def test_a_prefill_s_rows_take_torch_s_bf16_matmul_only_where_the_cpu_has_bf16_i
     int4_layer = Int4Linear(64, 96, scheme, torch.bfloat16, None, dequantize=False)
     q, int4_layer.weight_scale_zero = quantize_int4(weight.bfloat16(), 32)
     int4_layer.weight = pack_int4(q, scheme.packing)
-    for layer, dense in [(bf16_layer, bf16_layer.weight), (int8_layer, int8_layer.dequantized(torch.float32)),
-                         (int4_layer, int4_layer.dequantized(torch.float32))]:
-        expected = x.float() @ dense.float().t()
-        assert torch.allclose(layer(x).float(), expected, rtol=2 ** -7, atol=2e-2 * expected.abs().max().item())
-    assert kernels == ([] if hardware else [cpu_kernels.Bf16Matmul, cpu_kernels.Int8Matmul])
-    assert dequantised_into == [torch.bfloat16 if hardware else torch.float32]
+    dense = [bf16_layer.weight.float(), int8_layer.dequantized(torch.float32), int4_layer.dequantized(torch.float32)]
+    seen = {}
+    for rows in (128, 1024):  # 1024: from TILES_INT4_DEQUANTIZE_ROWS on, AMX dequantises too
+        x = torch.randn(rows, 96).bfloat16()
+        for layer, weights in zip([bf16_layer, int8_layer, int4_layer], dense, strict=True):
+            calls.clear()
+            expected = x.float() @ weights.t()
+            assert torch.allclose(layer(x).float(), expected, rtol=2 ** -7, atol=2e-2 * expected.abs().max().item())
+            seen[type(layer).__name__, rows] = calls[-1]
+    bf16 = "torch torch.bfloat16"
+    if hardware:
+        assert seen == {("Bf16KernelLinear", 128): bf16, ("Bf16KernelLinear", 1024): bf16,
+                        ("Int8Linear", 128): bf16, ("Int8Linear", 1024): bf16,
+                        ("Int4Linear", 128): seen["Int4Linear", 128], ("Int4Linear", 1024): "int4 into torch.bfloat16"}
+    else:
+        assert seen == {("Bf16KernelLinear", 128): "Bf16Matmul", ("Bf16KernelLinear", 1024): "torch torch.float32",
+                        ("Int8Linear", 128): "Int8Matmul", ("Int8Linear", 1024): "Int8Matmul",
+                        ("Int4Linear", 128): "Int4Matmul", ("Int4Linear", 1024): "Int4Matmul"}
 
 
 def test_the_kernels_take_rows_of_any_layout_and_dtype(path):

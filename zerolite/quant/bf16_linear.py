@@ -1,9 +1,10 @@
 """A CPU's bf16 Linear layers, at a decode step's few rows, through zerolite's bf16 kernel
 (zerolite.quant.cpu_kernels.bf16_matmul): a GEMV that reads each weight once at the memory's
 speed, where torch's bf16 path read 6 to 23 GB/s by shape (the head's 131 MB at 6 to 10 GB/s:
-docs/benchmarks-cpu-kernels.md). From KERNEL_ROWS rows on, torch's matmul (oneDNN: AMX) wins and runs,
-where the CPU has bf16 instructions; where it has none, torch's bf16 matmul is slower than the kernel
-at every row count (cpu_kernels.bf16_matmul_in_hardware), and the kernel takes them all.
+docs/benchmarks-cpu-kernels.md). From KERNEL_ROWS rows on, torch's matmul (oneDNN: AMX) wins and runs.
+Where the CPU has no bf16 instructions torch's bf16 matmul widens as it goes, slower than the kernel
+at every row count (cpu_kernels.bf16_matmul_in_hardware): there the kernel runs up to KERNEL_ROWS, and
+from there on (a prefill) torch's fp32 matmul of the rows and weight widened (fp32 sums either way).
 
     use_bf16_kernel(model)   # once, on the model a CPU runs; the weights bound later are read as bound
 
@@ -20,9 +21,11 @@ from torch import nn
 from zerolite.quant.cpu_kernels import Bf16Matmul, bf16_matmul_in_hardware
 
 # Below this many rows the kernel beats torch's bf16 matmul (docs/benchmarks-cpu-kernels.md): from 4 on, level
-# with AMX or AVX-512 BF16; without them, torch's widens as it goes (512 rows of 2048 into 5632 on an AVX2 EPYC:
-# 575 ms, the kernel 139).
-KERNEL_ROWS = 4 if bf16_matmul_in_hardware() else 1 << 62
+# with AMX or AVX-512 BF16. Without them (an AVX2 EPYC, 2 threads, 2048 x 5632): 512 rows take torch's bf16
+# 575 ms, the kernel 114-122, widening the weight (6 ms) for fp32's matmul 100-108; 256 rows level.
+KERNEL_ROWS = 4 if bf16_matmul_in_hardware() else 256
+# The dtype torch's matmul runs in from KERNEL_ROWS rows on.
+TORCH_DTYPE = torch.bfloat16 if bf16_matmul_in_hardware() else torch.float32
 _CPU = torch.device("cpu")
 
 
@@ -33,8 +36,13 @@ class Bf16KernelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._parameters["weight"]
-        if x.dtype != torch.bfloat16 or x.device != _CPU or x.numel() >= KERNEL_ROWS * self.in_features:
+        if x.dtype != torch.bfloat16 or x.device != _CPU:
             return F.linear(x, weight, self.bias)
+        if x.numel() >= KERNEL_ROWS * self.in_features:
+            if TORCH_DTYPE == torch.bfloat16:
+                return F.linear(x, weight, self.bias)
+            bias = self.bias
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
         kernel = self.__dict__.get("kernel")  # the class was swapped in (use_bf16_kernel): no __init__ of its own
         if kernel is None or kernel.weight is not weight:
             if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.device != _CPU:

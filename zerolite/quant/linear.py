@@ -48,13 +48,11 @@ from zerolite.quant.quantize import (
 # From these many rows on, dequantise-then-matmul beats the CPU kernels: their cost grows with
 # the rows, while dequantising costs the same for one row as for many. Where the two cross depends
 # on the CPU; these were set from those measured (docs/benchmarks-cpu-kernels.md). Where the CPU has
-# no bf16 instructions, torch's bf16 matmul runs at a sixth of fp32's speed (bf16_matmul_in_hardware):
-# int4 dequantises into fp32 there (64 rows level with the kernel, 512 rows 2.5x faster on an AVX2
-# EPYC), and int8's kernel, within 1.25x of dequantise-then-fp32 at 512 rows, takes every row count.
+# no bf16 instructions torch's bf16 matmul runs at a sixth of fp32's speed (bf16_matmul_in_hardware),
+# and the kernels (avx2int8) stay level with dequantising into fp32 for fp32's matmul up to 512 rows
+# and more (an AVX2 EPYC, 2048 x 5632: int4 96-133 ms against 122, int8 78-84): they take every count.
 DEQUANTIZE_ROWS = 64 if bf16_matmul_in_hardware() else 1 << 62
-INT4_DEQUANTIZE_ROWS = 64
-# The dtype an int4 weight dequantises into for a CPU's matmul of bf16 rows.
-INT4_DEQUANTIZED_DTYPE = torch.bfloat16 if bf16_matmul_in_hardware() else torch.float32
+INT4_DEQUANTIZE_ROWS = 64 if bf16_matmul_in_hardware() else 1 << 62
 # Where int4 multiplies in AMX's tiles (cpu_kernels.int4_in_tiles) the kernel's cost grows with
 # the rows far more slowly: it beats dequantise-then-matmul up to this many (level here, 1.2x
 # slower at 2048 rows).
@@ -208,7 +206,7 @@ class Int4Linear(QuantizedLinear):
         if count >= INT4_DEQUANTIZE_ROWS and (count >= TILES_INT4_DEQUANTIZE_ROWS or not int4_in_tiles(
                 x.dtype, self.out_features, self.group_size, self.packing)):
             # The transpose, as the kernel writes it in one pass; torch's matmul takes either.
-            dtype = INT4_DEQUANTIZED_DTYPE if x.dtype == torch.bfloat16 else torch.float32
+            dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
             transposed = self._buffer((self.in_features, self.out_features), x, dtype)
             int4_dequantize_transposed(transposed, self.weight, self._buffers["weight" + SCALE_ZERO_SUFFIX],
                                        self.group_size, self.packing)

@@ -1,7 +1,7 @@
 """A CPU forward of few rows (a decode step): torch's own ops on one thread, zerolite's kernels on
 the threads torch had.
 
-    threads = DecodeThreads(model)   # on a model whose matmuls are zerolite's CPU kernels
+    threads = DecodeThreads(model, kernel_rows(manifest))   # where a few-row forward's matmuls are zerolite's
     threads.restore()                # after a forward that raised (its end hook never ran)
     threads.remove()
 
@@ -13,6 +13,8 @@ region (zerolite.openmp) and take the cores the kernels' own pool needs: a batch
 cores then took 5x the process CPU time (870 ms against 173: tools/bench_decode_overhead.py).
 With torch on one thread there no region starts, and the step took 150 to 170 ms. A forward of
 FEW_ROWS tokens or more (a prefill) keeps torch's threads: its matmuls and attention are torch's.
+A bf16 layout's layers run zerolite's bf16 kernel below bf16_linear.KERNEL_ROWS rows (every row
+count where the CPU has no bf16 instructions): its decode steps alike.
 """
 
 from __future__ import annotations
@@ -20,11 +22,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerolite.layout.manifest import Manifest
+from zerolite.quant import bf16_linear
 from zerolite.quant.cpu_kernels import set_kernel_threads
 
 # Tokens in a forward below which it is a decode step: where the quantized layers run zerolite's
 # kernels rather than dequantising for torch's matmul (zerolite.quant.linear's INT4_DEQUANTIZE_ROWS).
 FEW_ROWS = 64
+
+
+def kernel_rows(manifest: Manifest) -> int:
+    """The tokens below which a CPU forward of this layout's model multiplies through zerolite's
+    kernels alone (0: never, its matmuls are torch's, an fp32 layout's)."""
+    if manifest.quantization is not None:
+        return FEW_ROWS
+    if manifest.dtype == "bfloat16":  # every Linear a Bf16KernelLinear (zerolite.runtime.parts)
+        return min(FEW_ROWS, bf16_linear.KERNEL_ROWS)
+    return 0
 
 
 def tokens_in(args: tuple, kwargs: dict) -> int | None:
@@ -39,7 +53,8 @@ def tokens_in(args: tuple, kwargs: dict) -> int | None:
 
 
 class DecodeThreads:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, few_rows: int = FEW_ROWS):
+        self._few_rows = few_rows
         self._torch_threads: int | None = None  # torch's count while a few-row forward runs on one
         self._hooks = [model.register_forward_pre_hook(self._start, with_kwargs=True),
                        model.register_forward_hook(lambda *_: self.restore())]
@@ -47,7 +62,7 @@ class DecodeThreads:
     def _start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         rows = tokens_in(args, kwargs)
         threads = torch.get_num_threads()
-        if rows is None or rows >= FEW_ROWS or threads == 1 or self._torch_threads is not None:
+        if rows is None or rows >= self._few_rows or threads == 1 or self._torch_threads is not None:
             return
         self._torch_threads = threads
         set_kernel_threads(threads)

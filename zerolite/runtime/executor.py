@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from zerolite.layout.blocks import module_path
-from zerolite.runtime.decode_threads import DecodeThreads
+from zerolite.runtime.decode_threads import DecodeThreads, kernel_rows
 from zerolite.runtime.micro_batches import MicroBatched
 from zerolite.runtime.parts import Parts
 from zerolite.runtime.schedule import Schedule
@@ -56,10 +56,10 @@ class Executor:
         if parts.policy.micro_batches > 1:  # every decoder layer, resident ones too: each takes its share's cache
             self._hooks.append(MicroBatched([self.model.get_submodule(module_path(manifest.layers_path, name))
                                              for name in manifest.layer_names], parts.policy.micro_batches))
-        # quantized layers on the CPU compute with zerolite's kernels, on a pool of their own
+        # quantized and bf16 layers on the CPU compute with zerolite's kernels, on a pool of their own
         self._decode_threads = None
-        if manifest.quantization is not None and not self.device.separate_memory:
-            self._decode_threads = DecodeThreads(self.model)
+        if kernel_rows(manifest) and not self.device.separate_memory:
+            self._decode_threads = DecodeThreads(self.model, kernel_rows(manifest))
             self._hooks.append(self._decode_threads)
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._start_step()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end_step()))
