@@ -381,16 +381,22 @@ void block_vnni(const Int4Weight& w, const Block& b, const Rows& r, const XBlock
 }
 
 // avx2int8: the vnni tile's scheme with AVX2's byte products, for "halves" blocks of 64 rows
-// (AVX-512's packing) and of 32 (AVX2's). Four columns' nibbles are interleaved by unpacks so that
-// each 32-bit lane holds one row's four nibbles; vpmaddubsw multiplies them by the four columns of
-// x (pairs summed to int16: at most 2 x 15 x 127) and vpmaddwd by ones sums the pairs to int32.
-// The unpacks work within 128-bit halves, so a register's eight lanes are rows 4i .. 4i + 3 and
-// 4i + H / 4 .. of a half of H = ROWS / 2 rows (lane_row).
+// (AVX-512's packing) and of 32 (AVX2's). Four columns' nibbles are interleaved by unpacks, which
+// work within 128-bit halves:
+// - 64 rows (columns of 32 bytes): into quads, each 32-bit lane one row's four nibbles, which
+//   vpmaddubsw multiplies by the four columns of x, summing pairs to int16; a register's eight lanes
+//   are rows 4i .. 4i + 3 and 4i + 16 .. 4i + 19 of a half (lane_row);
+// - 32 rows (columns of 16 bytes, two to a register: k and k + 1, then k + 2 and k + 3): into pairs
+//   of columns k and k + 2 in a register's low half and k + 1 and k + 3 in its high half, each
+//   16-bit lane one row's two nibbles, multiplied by x's columns in the same order; no lane crosses
+//   halves until a block of x ends, when the halves' sums are added: lanes are rows in order.
+// Each product of a pair is at most 2 x 15 x 127 = 3810, and a block of x's 32 columns adds its
+// eight of them in int16 (at most 30480: no overflow) before they are widened to int32.
 template <int ROWS>
 inline int lane_row(int lane) {  // lane: register * 8 + position
-  constexpr int HALF = ROWS / 2, PER_HALF = ROWS / 16;  // rows and registers a half
+  if constexpr (ROWS == 32) return lane;
   const int reg = lane / 8, j = lane % 8;
-  return HALF * (reg / PER_HALF) + 4 * (reg % PER_HALF) + (j & 3) + (j >= 4 ? HALF / 2 : 0);
+  return 32 * (reg / 4) + 4 * (reg % 4) + (j & 3) + (j >= 4 ? 16 : 0);
 }
 
 // A group's scales and zeros for a block's rows, in lane order.
@@ -404,20 +410,17 @@ ZEROLITE_AVX2 void lane_scales_avx2(const Int4Weight& w, const Block& b, int64_t
   const int32_t* words = static_cast<const int32_t*>(w.scale_zero) + g * w.out_features + b.row0;
   const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int reg = 0; reg < ROWS / 8; ++reg) {
-    const int32_t* first = words + lane_row<ROWS>(8 * reg);  // lanes 0-3 its rows, 4-7 those ROWS / 4 on
-    const __m256i pair = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + ROWS / 4)), 1);
+    const __m256i pair = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(words + lane_row<ROWS>(8 * reg + 4)),
+                                             reinterpret_cast<const __m128i*>(words + lane_row<ROWS>(8 * reg)));
     _mm256_store_ps(scale + 8 * reg, _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16)));
     _mm256_store_ps(zero + 8 * reg, _mm256_castsi256_ps(_mm256_and_si256(pair, high_half)));
   }
 }
 
-// Four columns from k of a block's rows as quads, four registers: a 64-row block's low nibbles
-// (rows 0-31, pass 0) or high ones (pass 1); a 32-row block's all (its columns are 16 bytes, so
-// two of them share a register: k and k + 2 in one, k + 1 and k + 3 in the other).
+// Four columns from k of a block's rows, four registers: a 64-row block's low nibbles (rows 0-31,
+// pass 0) or high ones (pass 1) as quads; a 32-row block's all as pairs.
 template <int ROWS>
-ZEROLITE_AVX2 __attribute__((always_inline)) inline void quads_avx2(const uint8_t* columns, int pass, __m256i* quads) {
+ZEROLITE_AVX2 __attribute__((always_inline)) inline void nibbles_avx2(const uint8_t* columns, int pass, __m256i* out) {
   const __m256i low_nibble = _mm256_set1_epi8(15);
   if constexpr (ROWS == 64) {
     __m256i nibbles[4];
@@ -430,32 +433,49 @@ ZEROLITE_AVX2 __attribute__((always_inline)) inline void quads_avx2(const uint8_
     const __m256i pairs_high = _mm256_unpackhi_epi8(nibbles[0], nibbles[1]);
     const __m256i next_low = _mm256_unpacklo_epi8(nibbles[2], nibbles[3]);
     const __m256i next_high = _mm256_unpackhi_epi8(nibbles[2], nibbles[3]);
-    quads[0] = _mm256_unpacklo_epi16(pairs_low, next_low);
-    quads[1] = _mm256_unpackhi_epi16(pairs_low, next_low);
-    quads[2] = _mm256_unpacklo_epi16(pairs_high, next_high);
-    quads[3] = _mm256_unpackhi_epi16(pairs_high, next_high);
+    out[0] = _mm256_unpacklo_epi16(pairs_low, next_low);
+    out[1] = _mm256_unpackhi_epi16(pairs_low, next_low);
+    out[2] = _mm256_unpacklo_epi16(pairs_high, next_high);
+    out[3] = _mm256_unpackhi_epi16(pairs_high, next_high);
   } else {
-    const __m256i even = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(columns + 32),
-                                             reinterpret_cast<const __m128i*>(columns));
-    const __m256i odd = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(columns + 48),
-                                            reinterpret_cast<const __m128i*>(columns + 16));
+    const __m256i near = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(columns));      // k, k + 1
+    const __m256i far = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(columns + 32));  // k + 2, k + 3
 #pragma GCC unroll 2
     for (int high = 0; high < 2; ++high) {
-      const __m256i a = _mm256_and_si256(high ? _mm256_srli_epi16(even, 4) : even, low_nibble);
-      const __m256i c = _mm256_and_si256(high ? _mm256_srli_epi16(odd, 4) : odd, low_nibble);
-      const __m256i first = _mm256_unpacklo_epi8(a, c), second = _mm256_unpackhi_epi8(a, c);  // rows 0-7, 8-15
-      const __m256i near = _mm256_permute2x128_si256(first, second, 0x20);  // columns k, k + 1
-      const __m256i far = _mm256_permute2x128_si256(first, second, 0x31);   // columns k + 2, k + 3
-      quads[2 * high] = _mm256_unpacklo_epi16(near, far);
-      quads[2 * high + 1] = _mm256_unpackhi_epi16(near, far);
+      const __m256i a = _mm256_and_si256(high ? _mm256_srli_epi16(near, 4) : near, low_nibble);
+      const __m256i c = _mm256_and_si256(high ? _mm256_srli_epi16(far, 4) : far, low_nibble);
+      out[2 * high] = _mm256_unpacklo_epi8(a, c);      // rows 0-7 of the half
+      out[2 * high + 1] = _mm256_unpackhi_epi8(a, c);  // rows 8-15
     }
   }
+}
+
+// x's four columns from k, as nibbles_avx2's registers take them: the four bytes in every 32-bit
+// lane (64 rows), or columns k and k + 2 in every 16-bit lane of the low half and k + 1 and k + 3
+// of the high half (32 rows).
+template <int ROWS>
+ZEROLITE_AVX2 __attribute__((always_inline)) inline __m256i x_columns_avx2(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, 4);
+  const __m256i broadcast = _mm256_set1_epi32(four);
+  if constexpr (ROWS == 64) return broadcast;
+  const __m256i order = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                         1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
+  return _mm256_shuffle_epi8(broadcast, order);
+}
+
+// int16 sums of a block of x to int32, a lane a row: each quad's two halves (64 rows), or each
+// row's two 128-bit halves (32 rows).
+template <int ROWS>
+ZEROLITE_AVX2 __attribute__((always_inline)) inline __m256i widened_avx2(__m256i sums) {
+  if constexpr (ROWS == 64) return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums, 1)));
 }
 
 template <int ROWS, int M>
 ZEROLITE_AVX2 void tile_avx2int8(const Int4Weight& w, const Block& b, const XBlocks& xq, int64_t m0, const Rows& r) {
   constexpr int PASSES = ROWS / 32, BYTES = ROWS / 2;  // passes over a column's bytes; bytes a column
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t groups = w.stored_in / w.group_size, blocks_per_group = w.group_size / X_BLOCK;
   alignas(32) float sum[M][ROWS] = {};  // the block's outputs in lane order
   alignas(32) float scale[ROWS], zero[ROWS];
@@ -479,16 +499,13 @@ ZEROLITE_AVX2 void tile_avx2int8(const Int4Weight& w, const Block& b, const XBlo
             if constexpr (ROWS == 64)
               _mm_prefetch(reinterpret_cast<const char*>(columns + PREFETCH_AHEAD + 64), _MM_HINT_T0);
           }
-          __m256i quads[4];
-          quads_avx2<ROWS>(columns, pass, quads);
+          __m256i nibbles[4];
+          nibbles_avx2<ROWS>(columns, pass, nibbles);
 #pragma GCC unroll 16
           for (int m = 0; m < M; ++m) {
-            int32_t four;
-            std::memcpy(&four, xq.q.data() + (m0 + m) * xq.padded + x0 + k, 4);
-            const __m256i xs = _mm256_set1_epi32(four);
+            const __m256i xs = x_columns_avx2<ROWS>(xq.q.data() + (m0 + m) * xq.padded + x0 + k);
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i)
-              dot[m][i] = _mm256_add_epi32(dot[m][i], _mm256_madd_epi16(_mm256_maddubs_epi16(quads[i], xs), ones));
+            for (int i = 0; i < 4; ++i) dot[m][i] = _mm256_add_epi16(dot[m][i], _mm256_maddubs_epi16(nibbles[i], xs));
           }
         }
 #pragma GCC unroll 16
@@ -499,7 +516,7 @@ ZEROLITE_AVX2 void tile_avx2int8(const Int4Weight& w, const Block& b, const XBlo
 #pragma GCC unroll 4
           for (int i = 0; i < 4; ++i) {
             const int lane = 32 * pass + 8 * i;
-            const __m256 products = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[m][i], eight_sums));
+            const __m256 products = _mm256_cvtepi32_ps(_mm256_sub_epi32(widened_avx2<ROWS>(dot[m][i]), eight_sums));
             _mm256_store_ps(sum[m] + lane, _mm256_fmadd_ps(products, _mm256_mul_ps(_mm256_load_ps(scale + lane), step),
                                                            _mm256_load_ps(sum[m] + lane)));
           }
