@@ -10,14 +10,16 @@ rows (bf16 ones where the path rounds them to int8 anyway, and for bf16 weights)
     y = kernel(x)      # x: [..., in]; the weight checked once, for many calls (Int8Matmul, Bf16Matmul alike)
 
 Each kernel has a path per instruction set (AVX-512, AVX2 with FMA, plain C++), chosen at run time
-from what the CPU offers, or forced with ZEROLITE_CPU_KERNEL=amx|avx512bf16|avx512vnni|avx512|avx2|scalar
-(tests run every path the CPU has; each path includes those below it). Those below avx512vnni
-compute in fp32 exactly what the weights dequantise to. Where the CPU has AVX-512 VNNI and VBMI,
-int4 and int8 rows that are not fp32 (bf16, fp16: already rounded) take avx512vnni, which rounds
-them to int8 per 32 columns, as llama.cpp's Q4_0 and Q8_0 do, and multiplies bytes: several times
-faster, at about 0.5% of relative error in a product (docs/benchmarks-cpu-kernels.md gives its
-perplexity); fp32 rows keep the exact path. bf16 weights (bf16_matmul, bf16 rows) take AVX-512
-BF16's dot products where the CPU has them (avx512bf16), fp32 sums either way. Where the CPU has
+from what the CPU offers, or forced with
+ZEROLITE_CPU_KERNEL=amx|avx512bf16|avx512vnni|avx512|avx2int8|avx2|scalar (tests run every path the
+CPU has; each path includes those below it, but for avx2int8). avx512, avx2 and scalar compute in
+fp32 exactly what the weights dequantise to. Where the CPU has AVX-512 VNNI and VBMI, int4 and int8
+rows that are not fp32 (bf16, fp16: already rounded) take avx512vnni, which rounds them to int8 per
+32 columns, as llama.cpp's Q4_0 and Q8_0 do, and multiplies bytes: several times faster, at about
+0.5% of relative error in a product (docs/benchmarks-cpu-kernels.md gives its perplexity); where it
+has AVX2 only, avx2int8 does the same with AVX2's byte products; fp32 rows keep the exact path.
+bf16 weights (bf16_matmul, bf16 rows) take AVX-512 BF16's dot products where the CPU has them
+(avx512bf16), fp32 sums either way. Where the CPU has
 AMX (amx_int8, amx_bf16) and Linux grants the process its tile state, int4 multiplies in AMX's
 bf16 tiles from 8 rows of x on (amx: its weights dequantised to bf16 as it goes, x rounded to
 bf16, fp32 sums; 1.6x avx512vnni's speed at 16 rows, 2.8x at 64, and faster than dequantising
