@@ -542,9 +542,13 @@ ZEROLITE_AVX2 void tile_avx2int8(const Int4Weight& w, const Block& b, const XBlo
     }
 }
 
+// Four rows of x a tile where there are four: each decoded column serves them all (one thread, 16
+// rows of 2048 x 5632: 4.3-5.5 ms of CPU against 5.0-7.0 with tiles of two), though their sums
+// outnumber the registers.
 template <int ROWS>
 void block_avx2int8_rows(const Int4Weight& w, const Block& b, const Rows& r, const XBlocks& xq) {
   int64_t m = 0;
+  for (; m + 4 <= r.count; m += 4) tile_avx2int8<ROWS, 4>(w, b, xq, m, r);
   for (; m + 2 <= r.count; m += 2) tile_avx2int8<ROWS, 2>(w, b, xq, m, r);
   if (m < r.count) tile_avx2int8<ROWS, 1>(w, b, xq, m, r);
 }
