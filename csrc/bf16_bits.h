@@ -46,6 +46,12 @@ inline uint16_t narrow_bf16(float value) {
   return static_cast<uint16_t>(word >> 16);
 }
 
+// Output y of row m, column n, as the rows take it: rounded to bf16 where they are bf16.
+inline void store_output(const Rows& r, int64_t m, int64_t n, float y) {
+  if (r.y_bf16) r.y_bf16[m * r.y_stride + n] = narrow_bf16(y);
+  else r.y[m * r.y_stride + n] = y;
+}
+
 // Runs kernel(fp32 rows) on fp32 copies of bf16 rows (in_features wide), its outputs
 // (out_features wide) rounded back into the bf16 rows: for the paths that take fp32 only.
 template <class Kernel>

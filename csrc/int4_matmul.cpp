@@ -535,11 +535,7 @@ ZEROLITE_AVX2 void tile_avx2int8(const Int4Weight& w, const Block& b, const XBlo
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int lane = 0; lane < ROWS; ++lane) {
-      const int64_t at = (m0 + m) * r.y_stride + b.row0 + lane_row<ROWS>(lane);
-      if (r.y_bf16) r.y_bf16[at] = narrow_bf16(sum[m][lane]);
-      else r.y[at] = sum[m][lane];
-    }
+    for (int lane = 0; lane < ROWS; ++lane) store_output(r, m0 + m, b.row0 + lane_row<ROWS>(lane), sum[m][lane]);
 }
 
 // Four rows of x a tile where there are four: each decoded column serves them all (one thread, 16

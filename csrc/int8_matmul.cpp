@@ -184,9 +184,7 @@ ZEROLITE_AVX512VNNI void tile_vnni(const Int8Weight& w, const QuantizedRows& xq,
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 16
     for (int n = 0; n < N; ++n) {
-      const float y = (_mm512_reduce_add_ps(acc[m][n]) - xq.offset[m0 + m]) * w.scale[n0 + n];
-      if (r.y_bf16) r.y_bf16[(m0 + m) * r.y_stride + n0 + n] = narrow_bf16(y);
-      else r.y[(m0 + m) * r.y_stride + n0 + n] = y;
+      store_output(r, m0 + m, n0 + n, (_mm512_reduce_add_ps(acc[m][n]) - xq.offset[m0 + m]) * w.scale[n0 + n]);
     }
 }
 
@@ -254,9 +252,7 @@ ZEROLITE_AVX2 void tile_avx2int8(const Int8Weight& w, const XBlocks& xb, const R
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 16
     for (int n = 0; n < N; ++n) {
-      const float y = sum_avx2(acc[m][n]) * w.scale[n0 + n];
-      if (r.y_bf16) r.y_bf16[(m0 + m) * r.y_stride + n0 + n] = narrow_bf16(y);
-      else r.y[(m0 + m) * r.y_stride + n0 + n] = y;
+      store_output(r, m0 + m, n0 + n, sum_avx2(acc[m][n]) * w.scale[n0 + n]);
     }
 }
 
