@@ -60,6 +60,12 @@ def bf16_matmul_in_hardware() -> bool:
     return any(path in supported_paths() for path in ("avx512bf16", "amx"))
 
 
+def bf16_rows_rounded() -> bool:
+    """Whether bf16 rows take, by default, a path that rounds them to int8 (avx2int8, avx512vnni
+    and above): the kernels' fast integer paths."""
+    return _best(False) in ROUNDS_ACTIVATIONS
+
+
 @functools.cache
 def _path_number(name: str) -> int:
     try:

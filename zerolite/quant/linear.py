@@ -32,6 +32,7 @@ from zerolite.quant.cpu_kernels import (
     Int4Matmul,
     Int8Matmul,
     bf16_matmul_in_hardware,
+    bf16_rows_rounded,
     int4_dequantize_transposed,
     int4_in_tiles,
 )
@@ -48,11 +49,15 @@ from zerolite.quant.quantize import (
 # From these many rows on, dequantise-then-matmul beats the CPU kernels: their cost grows with
 # the rows, while dequantising costs the same for one row as for many. Where the two cross depends
 # on the CPU; these were set from those measured (docs/benchmarks-cpu-kernels.md). Where the CPU has
-# no bf16 instructions torch's bf16 matmul runs at a sixth of fp32's speed (bf16_matmul_in_hardware),
-# and the kernels (avx2int8) stay level with dequantising into fp32 for fp32's matmul up to 512 rows
-# and more (an AVX2 EPYC, 2048 x 5632: int4 96-133 ms against 122, int8 78-84): they take every count.
-DEQUANTIZE_ROWS = 64 if bf16_matmul_in_hardware() else 1 << 62
-INT4_DEQUANTIZE_ROWS = 64 if bf16_matmul_in_hardware() else 1 << 62
+# no bf16 instructions torch's bf16 matmul runs at a sixth of fp32's speed (bf16_matmul_in_hardware):
+# there bf16 rows' weights dequantise into fp32 (DEQUANTIZED_DTYPE), and where the kernels round the
+# rows to int8 they take every row count (an AVX2 EPYC, 512 rows of 2048 x 5632, avx2int8: int4 96-133 ms,
+# int8 78-84; dequantising into fp32 for fp32's matmul 122).
+KERNELS_TAKE_EVERY_ROW = not bf16_matmul_in_hardware() and bf16_rows_rounded()
+DEQUANTIZE_ROWS = 1 << 62 if KERNELS_TAKE_EVERY_ROW else 64
+INT4_DEQUANTIZE_ROWS = 1 << 62 if KERNELS_TAKE_EVERY_ROW else 64
+# The dtype a CPU's matmul of bf16 rows dequantises the weight into.
+DEQUANTIZED_DTYPE = torch.bfloat16 if bf16_matmul_in_hardware() else torch.float32
 # Where int4 multiplies in AMX's tiles (cpu_kernels.int4_in_tiles) the kernel's cost grows with
 # the rows far more slowly: it beats dequantise-then-matmul up to this many (level here, 1.2x
 # slower at 2048 rows).
@@ -149,7 +154,8 @@ class Int8Linear(QuantizedLinear):
 
     def multiply_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() >= DEQUANTIZE_ROWS * self.in_features:
-            return F.linear(x, self.dequantized(x.dtype))
+            dtype = DEQUANTIZED_DTYPE if x.dtype == torch.bfloat16 else x.dtype
+            return F.linear(x.to(dtype), self.dequantized(dtype)).to(x.dtype)
         kernel, weight = self.kernel, self._buffers["weight"]
         if kernel is None or kernel.q is not weight:
             kernel = self.kernel = Int8Matmul(weight, self._buffers["weight" + SCALE_SUFFIX])
@@ -206,7 +212,7 @@ class Int4Linear(QuantizedLinear):
         if count >= INT4_DEQUANTIZE_ROWS and (count >= TILES_INT4_DEQUANTIZE_ROWS or not int4_in_tiles(
                 x.dtype, self.out_features, self.group_size, self.packing)):
             # The transpose, as the kernel writes it in one pass; torch's matmul takes either.
-            dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+            dtype = DEQUANTIZED_DTYPE if x.dtype == torch.bfloat16 else torch.float32
             transposed = self._buffer((self.in_features, self.out_features), x, dtype)
             int4_dequantize_transposed(transposed, self.weight, self._buffers["weight" + SCALE_ZERO_SUFFIX],
                                        self.group_size, self.packing)
@@ -365,11 +371,13 @@ def dequantize_workspace(manifest: Manifest) -> int:
 
 def cpu_dequantize_workspace(manifest: Manifest) -> int:
     """The most host memory a CPU's quantized layers take for a prefill's matmuls
-    (zerolite.memory_model.cpu_dequantize_workspace), from the layout's largest weight."""
+    (zerolite.memory_model.cpu_dequantize_workspace), from the layout's largest weight, in the
+    dtype its weights dequantise into there (a bf16 layout's: DEQUANTIZED_DTYPE)."""
     if manifest.quantization is None:
         return 0
+    dtype = DTYPES[manifest.dtype]
     return memory_model.cpu_dequantize_workspace(manifest.quantization["weights"], largest_weight(manifest),
-                                                 DTYPES[manifest.dtype])
+                                                 DEQUANTIZED_DTYPE if dtype == torch.bfloat16 else dtype)
 
 
 def largest_weight(manifest: Manifest) -> int:
